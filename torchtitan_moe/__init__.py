@@ -1,0 +1,3 @@
+"""torchtitan-moe: fast Mixture-of-Experts pretraining as a torchtitan plugin."""
+
+__version__ = "0.1.0"

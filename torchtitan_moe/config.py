@@ -1,0 +1,303 @@
+"""Our TOML sections and the validation that stops a bad config before training.
+
+torchtitan merges `JobConfig` below into its own (``job.custom_config_module =
+"torchtitan_moe.config"``, which our entry points add by themselves), so these sections
+live in the same TOML file and take the same ``--section.key value`` overrides.
+
+Every problem is reported as one `ConfigError` line that names the key and what is allowed.
+This module imports nothing from torchtitan: the merged config class is passed in. No
+`from __future__ import annotations` here: torchtitan and the checks read real field types.
+"""
+
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ALIGNMENTS = (8, 16, 32)
+
+
+class ConfigError(ValueError):
+    """A config problem, worded as one line naming the key and what is allowed."""
+
+
+@dataclass
+class Moe:
+    num_experts: int | None = None
+    """Routed experts per MoE layer (default: the model flavor's)."""
+
+    top_k: int | None = None
+    """Experts each token is sent to (default: the model flavor's)."""
+
+    inter_dim: int | None = None
+    """Hidden size of each expert (default: the model flavor's)."""
+
+    padding: Literal["none", "auto", "always"] = "auto"
+    """Pad each expert's rows for torch._grouped_mm: 'auto' pads only where the GPU needs it
+    (compute capability 10.x gives empty groups wrong weight gradients), 'always', 'none'."""
+
+    align: int = 8
+    """Row alignment of each expert's group when padding (8, 16 or 32)."""
+
+
+@dataclass
+class Router:
+    score_func: Literal["softmax", "sigmoid"] | None = None
+    """Score function over the gate logits (default: the model flavor's)."""
+
+    route_norm: bool | None = None
+    """Renormalize the top-k probabilities to sum to 1 (default: the model flavor's)."""
+
+    route_scale: float = 1.0
+    """Multiplier on the top-k probabilities."""
+
+    init_std: float = 0.02
+    """Std of the gate's truncated-normal init. 0 reproduces a zero-initialized gate."""
+
+    bias_update_rate: float = 1e-3
+    """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off)."""
+
+    aux_loss_coeff: float = 0.0
+    """Weight of the sequence-level load-balance loss (0: off)."""
+
+    force_balance: bool = False
+    """Ignore the scores and send tokens round-robin over experts (benchmarks only)."""
+
+
+@dataclass
+class Dispatch:
+    backend: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
+    """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed),
+    'deepep' (DeepEP, built from source), 'auto' (local at EP = 1, else all_to_all)."""
+
+
+@dataclass
+class Kernels:
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    """MoE hot-path ops: 'torch' reference, 'triton' kernels, 'auto' (triton on CUDA, torch on CPU)."""
+
+
+@dataclass
+class Checks:
+    router_init: Literal["error", "warn", "off"] = "error"
+    """Router-init checks before step 1: stop ('error'), log ('warn') or skip ('off')."""
+
+    monitor_freq: int = 10
+    """Run the training-health monitors every N steps (0: off)."""
+
+
+@dataclass
+class Data:
+    tokenizer: str = "bytes"
+    """'bytes' (byte-level, no file) or a path to a tokenizers `tokenizer.json` (text data)."""
+
+    synthetic_seed: int = 1234
+    """Seed of the synthetic stream's hidden Markov chain (the same on every rank)."""
+
+    synthetic_successors: int = 4
+    """Likely next tokens per token in the synthetic stream (lower: easier to learn)."""
+
+
+@dataclass
+class Model:
+    hf_assets_path: str = "."
+    """Unused by torchtitan-moe (the tokenizer comes from [data]); '.' keeps torchtitan quiet."""
+
+
+@dataclass
+class Training:
+    dataset: str = "synthetic"
+    """'synthetic' (learnable Markov stream, no files) or 'text' (local files at dataset_path)."""
+
+
+@dataclass
+class JobConfig:
+    """Merged by torchtitan's ConfigManager into its own JobConfig."""
+
+    moe: Moe = field(default_factory=Moe)
+    router: Router = field(default_factory=Router)
+    dispatch: Dispatch = field(default_factory=Dispatch)
+    kernels: Kernels = field(default_factory=Kernels)
+    checks: Checks = field(default_factory=Checks)
+    data: Data = field(default_factory=Data)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+
+
+# ---------------------------------------------------------------------------------------
+# Structure: unknown sections or keys, wrong types.
+# ---------------------------------------------------------------------------------------
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"list of {_describe(inner)}"
+    if origin is dict:
+        return "table"
+    if tp is type(None):
+        return "unset"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _matches(value: Any, tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, a) for a in typing.get_args(tp))
+    if origin is list:
+        args = typing.get_args(tp)
+        return isinstance(value, list) and all(_matches(v, args[0]) for v in value) if args else isinstance(value, list)
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True
+
+
+def check_structure(values: dict[str, Any], config_cls: type, source: str) -> None:
+    """Check a TOML dict against the (merged) config dataclass: sections, keys, types."""
+    sections = {f.name: f.type for f in dataclasses.fields(config_cls)}
+    for section, table in values.items():
+        if section not in sections:
+            raise ConfigError(
+                f"{source}: unknown section [{section}]; known sections: {', '.join(sorted(sections))}"
+            )
+        section_cls = sections[section]
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table of keys, got {table!r}")
+        keys = {f.name: f.type for f in dataclasses.fields(section_cls)}
+        for key, value in table.items():
+            if key not in keys:
+                raise ConfigError(
+                    f"{source}: unknown key [{section}] {key}; known keys: {', '.join(sorted(keys))}"
+                )
+            if not _matches(value, keys[key]):
+                raise ConfigError(
+                    f"{source}: [{section}] {key} = {value!r}: expected {_describe(keys[key])}"
+                )
+
+
+def check_cli_keys(args: list[str], config_cls: type) -> None:
+    """Reject `--section.key` overrides that name no known section or key."""
+    sections = {f.name: f.type for f in dataclasses.fields(config_cls)}
+    for arg in args:
+        if not arg.startswith("--") or "." not in arg or arg in ("--help", "-h"):
+            continue
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        section, key = name.split(".", 1)
+        if section.startswith("no_"):  # tyro's negated boolean flags: --no-section.key
+            section = section[3:]
+        if section not in sections:
+            raise ConfigError(f"{arg}: unknown section '{section}'; known: {', '.join(sorted(sections))}")
+        keys = {f.name for f in dataclasses.fields(sections[section])}
+        if key not in keys:
+            raise ConfigError(f"{arg}: unknown key '{key}' in [{section}]; known: {', '.join(sorted(keys))}")
+
+
+# ---------------------------------------------------------------------------------------
+# Semantics: impossible combinations, checked on the parsed config (TOML + CLI overrides).
+# ---------------------------------------------------------------------------------------
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = None) -> None:
+    """Check combinations that cannot train. `flavors` maps flavor names to model args
+    (anything with `.moe.num_experts` and `.moe.top_k`)."""
+    _need(cfg.model.name == "qwen3_moe", f"[model] name = {cfg.model.name!r}: torchtitan-moe trains 'qwen3_moe'")
+    _need(
+        cfg.model.flavor in flavors,
+        f"[model] flavor = {cfg.model.flavor!r}: expected one of {', '.join(repr(f) for f in flavors)}",
+    )
+    args = flavors[cfg.model.flavor].moe
+    moe, router, par = cfg.moe, cfg.router, cfg.parallelism
+    num_experts = moe.num_experts if moe.num_experts is not None else args.num_experts
+    top_k = moe.top_k if moe.top_k is not None else args.top_k
+
+    _need(num_experts >= 1, f"[moe] num_experts = {num_experts}: must be >= 1")
+    _need(1 <= top_k <= num_experts, f"[moe] top_k = {top_k}: must be in 1..num_experts ({num_experts})")
+    _need(moe.inter_dim is None or moe.inter_dim >= 1, f"[moe] inter_dim = {moe.inter_dim}: must be >= 1")
+    _need(moe.align in ALIGNMENTS, f"[moe] align = {moe.align}: must be one of 8, 16, 32")
+    _need(router.init_std >= 0, f"[router] init_std = {router.init_std}: must be >= 0")
+    _need(router.route_scale > 0, f"[router] route_scale = {router.route_scale}: must be > 0")
+    _need(router.bias_update_rate >= 0, f"[router] bias_update_rate = {router.bias_update_rate}: must be >= 0 (0: off)")
+    _need(router.aux_loss_coeff >= 0, f"[router] aux_loss_coeff = {router.aux_loss_coeff}: must be >= 0 (0: off)")
+    _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
+
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+        degree = getattr(par, key)
+        _need(degree == 1, f"[parallelism] {key} = {degree}: qwen3_moe supports FSDP and EP only; set 1")
+    ep = par.expert_parallel_degree
+    _need(ep >= 1, f"[parallelism] expert_parallel_degree = {ep}: must be >= 1")
+    _need(
+        num_experts % ep == 0,
+        f"[parallelism] expert_parallel_degree = {ep}: must divide [moe] num_experts ({num_experts})",
+    )
+    _need(
+        par.expert_tensor_parallel_degree == 1,
+        f"[parallelism] expert_tensor_parallel_degree = {par.expert_tensor_parallel_degree}: only 1 is supported",
+    )
+    shard = par.data_parallel_shard_degree
+    if shard != -1:
+        _need(shard >= 1, f"[parallelism] data_parallel_shard_degree = {shard}: must be -1 (all) or >= 1")
+        _need(shard % ep == 0, f"[parallelism] expert_parallel_degree = {ep}: must divide data_parallel_shard_degree ({shard})")
+    if world_size is not None:
+        replicate = par.data_parallel_replicate_degree
+        shard_size = world_size // replicate if shard == -1 else shard
+        _need(
+            replicate * shard_size == world_size,
+            f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree "
+            f"({shard}) must equal the number of processes ({world_size})",
+        )
+        _need(
+            shard_size % ep == 0,
+            f"[parallelism] expert_parallel_degree = {ep}: must divide the FSDP group size ({shard_size} "
+            f"of {world_size} processes)",
+        )
+
+    backend = cfg.dispatch.backend
+    _need(
+        not (backend == "local" and ep > 1),
+        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all' or 'deepep'",
+    )
+    _need(
+        not (backend in ("all_to_all", "deepep") and ep == 1),
+        f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
+    )
+
+    train = cfg.training
+    _need(train.dataset in ("synthetic", "text"), f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text'")
+    if train.dataset == "text":
+        path = train.dataset_path
+        _need(bool(path) and os.path.exists(path), f"[training] dataset_path = {path!r}: no such file or folder (needed by dataset = 'text')")
+    tokenizer = cfg.data.tokenizer
+    _need(
+        tokenizer == "bytes" or os.path.isfile(tokenizer),
+        f"[data] tokenizer = {tokenizer!r}: expected 'bytes' or the path of a tokenizer.json",
+    )
+    _need(train.seq_len >= 2, f"[training] seq_len = {train.seq_len}: must be >= 2")
+    _need(train.local_batch_size >= 1, f"[training] local_batch_size = {train.local_batch_size}: must be >= 1")
+    _need(cfg.data.synthetic_successors >= 1, f"[data] synthetic_successors = {cfg.data.synthetic_successors}: must be >= 1")

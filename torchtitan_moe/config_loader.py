@@ -1,0 +1,66 @@
+"""Read a job config the way torchtitan does, after checks that fail in one clear line.
+
+    argv ─► TOML structure check ─► CLI key check ─► torchtitan ConfigManager ─► semantics
+
+Our sections join torchtitan's through its custom-config-module hook, added here when
+neither the TOML nor the command line names it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from torchtitan_moe.config import ConfigError, check_cli_keys, check_semantics, check_structure
+from torchtitan_moe.torchtitan_compat import CUSTOM_CONFIG_MODULE, ConfigManager, merged_config_class
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+
+def config_file_arg(argv: list[str]) -> str | None:
+    for i, arg in enumerate(argv):
+        for flag in ("--job.config_file", "--job.config-file"):
+            if arg.startswith(flag + "="):
+                return arg.split("=", 1)[1]
+            if arg == flag and i + 1 < len(argv):
+                return argv[i + 1]
+    return None
+
+
+def read_toml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--job.config_file {path}: no such file")
+    with open(path, "rb") as f:
+        try:
+            return tomllib.load(f)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+
+
+def with_custom_config_module(argv: list[str], toml_values: dict) -> list[str]:
+    named = any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv)
+    if named or toml_values.get("job", {}).get("custom_config_module"):
+        return argv
+    return [*argv, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
+
+
+def load_job_config(argv: list[str] | None = None):
+    """Parse `--job.config_file FILE [--section.key value ...]` into a checked JobConfig."""
+    from torchtitan_moe.models.qwen3_moe import FLAVORS
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = config_file_arg(argv)
+    toml_values = read_toml(path) if path else {}
+    config_cls = merged_config_class()
+    check_structure(toml_values, config_cls, path or "config")
+    check_cli_keys(argv, config_cls)
+    module = toml_values.get("job", {}).get("custom_config_module", CUSTOM_CONFIG_MODULE)
+    if module != CUSTOM_CONFIG_MODULE:
+        raise ConfigError(f"[job] custom_config_module = {module!r}: torchtitan-moe needs {CUSTOM_CONFIG_MODULE!r}")
+    config = ConfigManager().parse_args(with_custom_config_module(argv, toml_values))
+    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    check_semantics(config, FLAVORS, world_size)
+    return config

@@ -1,0 +1,190 @@
+"""The one adapter between torchtitan-moe and torchtitan (pinned to 0.2.2).
+
+Every torchtitan import of the package goes through this module, so a move to a newer
+torchtitan changes this file (and nothing else) first. The second half is the CPU/gloo
+shim that lets torchtitan's Trainer run on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+from types import SimpleNamespace
+
+import torch
+
+import torchtitan
+from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
+from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.lr_scheduler import build_lr_schedulers
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
+from torchtitan.components.tokenizer import BaseTokenizer
+from torchtitan.config import ConfigManager
+from torchtitan.config import JobConfig as TorchtitanJobConfig
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.qwen3.model.model import Attention, precompute_rope_cache
+from torchtitan.models.utils import trunc_normal_
+from torchtitan.protocols.model import BaseModelArgs, ModelProtocol
+from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.tools import utils as tt_utils
+from torchtitan.tools.logging import init_logger, logger
+from torchtitan.train import Trainer
+
+TORCHTITAN_VERSION = "0.2.2"
+CUSTOM_CONFIG_MODULE = "torchtitan_moe.config"
+
+__all__ = [
+    "Attention",
+    "BaseDataLoader",
+    "BaseModelArgs",
+    "BaseTokenizer",
+    "ConfigManager",
+    "MetricsProcessor",
+    "ModelProtocol",
+    "OptimizersContainer",
+    "ParallelAwareDataloader",
+    "ParallelDims",
+    "TrainSpec",
+    "Trainer",
+    "TorchtitanJobConfig",
+    "apply_ac",
+    "build_cross_entropy_loss",
+    "build_lr_schedulers",
+    "build_optimizers",
+    "check_torchtitan_version",
+    "dist_utils",
+    "enable_cpu_training",
+    "get_train_spec",
+    "init_logger",
+    "logger",
+    "merged_config_class",
+    "precompute_rope_cache",
+    "register_train_spec",
+    "trunc_normal_",
+    "use_sum_reductions",
+]
+
+
+def check_torchtitan_version() -> None:
+    found = getattr(torchtitan, "__version__", "unknown")
+    if found != TORCHTITAN_VERSION:
+        raise RuntimeError(
+            f"torchtitan-moe needs torchtitan=={TORCHTITAN_VERSION}, found {found}: "
+            f"pip install torchtitan=={TORCHTITAN_VERSION}"
+        )
+
+
+def merged_config_class() -> type:
+    """torchtitan's JobConfig with our sections merged in, as its ConfigManager builds it."""
+    import importlib
+
+    ours = importlib.import_module(CUSTOM_CONFIG_MODULE).JobConfig
+    return ConfigManager._merge_configs(TorchtitanJobConfig, ours)
+
+
+# ---------------------------------------------------------------------------------------
+# CPU/gloo shim.
+#
+# torchtitan 0.2.2 picks "cuda" when no accelerator is found, then calls a CUDA-shaped
+# device module (set_device, memory_stats, get_device_properties, ...). On a CPU machine we
+# point it at `_CpuDeviceModule`, which answers those calls for the host: memory is the
+# process's peak resident set size. FSDP2's gradient reduce-scatter uses averaging ops that
+# gloo lacks, so FSDP modules are told to reduce with plain sums (`use_sum_reductions`).
+# ---------------------------------------------------------------------------------------
+
+_PATCHED_MODULES = (
+    "torchtitan.tools.utils",
+    "torchtitan.distributed.utils",
+    "torchtitan.distributed.parallel_dims",
+    "torchtitan.components.metrics",
+    "torchtitan.tools.profiling",
+)
+
+
+def _peak_rss_bytes() -> int:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _CpuDeviceModule:
+    """The subset of `torch.cuda` that torchtitan's Trainer and metrics call, for the host."""
+
+    @staticmethod
+    def set_device(device) -> None:
+        pass
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        pass
+
+    @staticmethod
+    def empty_cache() -> None:
+        pass
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def get_device_name(device=None) -> str:
+        return "cpu"
+
+    @staticmethod
+    def get_device_properties(device=None):
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return SimpleNamespace(total_memory=total, name="cpu")
+
+    @staticmethod
+    def memory_stats(device=None) -> dict[str, int]:
+        peak = _peak_rss_bytes()
+        return {
+            "active_bytes.all.peak": peak,
+            "reserved_bytes.all.peak": peak,
+            "num_alloc_retries": 0,
+            "num_ooms": 0,
+        }
+
+    @staticmethod
+    def reset_peak_memory_stats(device=None) -> None:
+        pass  # the peak RSS of a process cannot be reset: the step line shows the run's peak
+
+
+def enable_cpu_training() -> None:
+    """Point torchtitan at the CPU (gloo) when there is no CUDA device. Idempotent."""
+    if torch.cuda.is_available():
+        return
+    cpu_module = _CpuDeviceModule()
+    for name in _PATCHED_MODULES:
+        module = sys.modules.get(name) or __import__(name, fromlist=["_"])
+        if hasattr(module, "device_type"):
+            module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = cpu_module
+    # `set_pg_timeouts` passes device_ids to a barrier, which gloo rejects.
+    dist_utils.set_pg_timeouts = _set_pg_timeouts_gloo
+
+
+def _set_pg_timeouts_gloo(timeout, parallel_dims) -> None:
+    torch.distributed.barrier()
+    groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
+    for group in groups + [None]:
+        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def use_sum_reductions(model: torch.nn.Module) -> None:
+    """Make FSDP2 reduce gradients with SUM (gloo has no AVG/PREMUL_SUM). No-op on NCCL."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if torch.distributed.get_backend() != "gloo":
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)

@@ -1,0 +1,6 @@
+"""The MoE layer and its parts: router, experts, padding policy, load balancing."""
+
+from torchtitan_moe.moe.layer import MoE, MoEArgs
+from torchtitan_moe.moe.router import Router, Routing
+
+__all__ = ["MoE", "MoEArgs", "Router", "Routing"]

@@ -1,0 +1,66 @@
+"""Aux-loss-free load balancing (Wang et al. 2024, arXiv:2408.15664): nudge a per-expert bias.
+
+Before every optimizer step, for each MoE layer:
+
+    load  = tokens_per_expert summed over the step's micro-batches and all data-parallel ranks
+    bias += rate * sign(mean(load) - load);  bias -= mean(bias)
+
+The bias only changes which experts are picked (router.py), never the weights of their
+outputs. torchtitan 0.2.2's Qwen3 keeps such a bias but never updates it; this hook does.
+The same single all-reduce also sums the layers' aux losses; the reduced step statistics
+are left in `moe.last_tokens_per_expert` and `moe.last_aux_loss` for logging and monitors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchtitan_moe.moe.layer import MoE
+
+
+def moe_layers(model_parts: list[nn.Module]) -> list[MoE]:
+    return [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-reduce (one collective) and clear the layers' step statistics -> loads [L, E] fp64.
+
+    Counts travel as float64, exact up to 2^53 tokens, so loads and aux losses share it.
+    """
+    stats = torch.stack(
+        [torch.cat([layer.tokens_per_expert.double(), layer.aux_loss_sum.double().view(1)]) for layer in layers]
+    )
+    if group is not None and dist.is_initialized():
+        dist.all_reduce(stats, group=group)
+    for layer, row in zip(layers, stats):
+        layer.tokens_per_expert.zero_()
+        layer.aux_loss_sum.zero_()
+        layer.last_tokens_per_expert = row[:-1].long()
+        # Mean over the step's micro-batches on all ranks: the same weights as the gradient.
+        layer.last_aux_loss = row[-1] * MoE.aux_loss_scale
+    return stats[:, :-1]
+
+
+@torch.no_grad()
+def update_expert_bias(layers: list[MoE], loads: torch.Tensor) -> None:
+    for layer, load in zip(layers, loads):
+        rate = layer.bias_update_rate
+        if rate == 0 or load.sum() == 0:
+            continue
+        delta = rate * torch.sign(load.mean() - load).float()
+        layer.router.expert_bias.add_(delta - delta.mean())
+
+
+def register_balancing_hook(optimizers, model_parts: list[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """Reduce statistics and update the bias as an optimizer step pre-hook (after all micro-batches)."""
+    layers = moe_layers(model_parts)
+    if not layers:
+        return
+
+    def hook(*args, **kwargs) -> None:
+        update_expert_bias(layers, reduce_step_stats(layers, group))
+
+    optimizers.register_step_pre_hook(hook)

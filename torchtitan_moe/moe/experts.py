@@ -1,0 +1,46 @@
+"""Routed experts as stacked weights and two grouped GEMMs.
+
+    rows [N, D] ──grouped_mm(w13)──► ab [N, 2I] ──swiglu_prob(·, probs)──► h [N, I]
+                ──grouped_mm(w2)───► y [N, D]
+
+w13 [E, 2I, D] holds w1 (gate, rows :I) and w3 (up, rows I:) so one GEMM produces both
+halves side by side, the layout swiglu_prob reads contiguously. The router probability is
+applied inside swiglu_prob, before w2, so its gradient reaches the router from there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchtitan_moe import ops
+from torchtitan_moe.dispatch.base import ExpertBatch
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    # Under EP the weights are DTensors sharded on the expert dim; grouped_mm takes our shard.
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class GroupedExperts(nn.Module):
+    def __init__(self, dim: int, inter_dim: int, num_experts: int, kernels: str = "torch"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.inter_dim = inter_dim
+        self.kernels = kernels
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
+
+    def init_weights(self, out_std: float) -> None:
+        """w13 at std 0.02; w2, an output projection, at the depth-scaled `out_std`."""
+        nn.init.trunc_normal_(self.w13, std=0.02, a=-0.06, b=0.06)
+        nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
+
+    def forward(self, batch: ExpertBatch) -> torch.Tensor:
+        """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""
+        w13, w2 = _local(self.w13), _local(self.w2)
+        x = batch.x.to(w13.dtype)
+        ab = torch._grouped_mm(x, w13.transpose(-2, -1), offs=batch.offsets)
+        h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)
+        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=batch.offsets)

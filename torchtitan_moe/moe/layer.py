@@ -1,0 +1,141 @@
+"""The MoE layer: router -> dispatcher -> grouped experts -> combine.
+
+    x [B, S, D] ─► router ─► Routing ─► dispatcher.dispatch ─► ExpertBatch ─► experts ─► y
+                                         dispatcher.combine(y) ─► out [B, S, D]
+
+It also keeps the per-step statistics that balancing and monitoring read:
+`tokens_per_expert` accumulates over the micro-batches of one optimizer step (the bias
+update in moe/balance.py reduces and clears it) and `aux_loss_sum` the aux loss values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from torchtitan_moe.dispatch.local import LocalDispatcher
+from torchtitan_moe.moe.experts import GroupedExperts
+from torchtitan_moe.moe.padding import resolve_alignment
+from torchtitan_moe.moe.router import Router
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int = 8
+    top_k: int = 2
+    inter_dim: int = 256
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True
+    route_scale: float = 1.0
+    router_init_std: float = 0.02
+    bias_update_rate: float = 1e-3
+    aux_loss_coeff: float = 0.0
+    force_balance: bool = False
+    padding: Literal["none", "auto", "always"] = "auto"
+    align: int = 8
+    kernels: Literal["auto", "torch", "triton"] = "auto"
+
+
+def resolve_kernels(kernels: str, device: torch.device) -> str:
+    """'auto' -> 'triton' on CUDA, 'torch' elsewhere. 'triton' is checked by the ops themselves."""
+    if kernels not in ("auto", "torch", "triton"):
+        raise ValueError(f"kernels = {kernels!r}: expected 'auto', 'torch' or 'triton'")
+    if kernels != "auto":
+        return kernels
+    return "triton" if device.type == "cuda" else "torch"
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `out` whose backward also sends `scale` as the gradient of `aux_loss`.
+
+    This adds `scale * aux_loss` to the training objective without touching the trainer's
+    loss function (each layer's loss joins the graph through the layer's own output).
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        ctx.aux_shape = aux_loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        grad_aux = torch.full(ctx.aux_shape, ctx.scale, device=grad_out.device, dtype=torch.float32)
+        return grad_out, grad_aux, None
+
+
+def _in_backward() -> bool:
+    # True while activation checkpointing re-runs the forward inside the backward pass:
+    # statistics must be counted once per real forward.
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    # Weight of each micro-batch's aux loss in the global objective: 1 / (micro-batches per
+    # step x data-parallel ranks), so that the summed gradients are those of the mean.
+    # Set once by the trainer; 1.0 for a single process without gradient accumulation.
+    aux_loss_scale: float = 1.0
+
+    def __init__(self, args: MoEArgs, dim: int):
+        super().__init__()
+        self.args = args
+        self.num_experts = args.num_experts
+        self.router = Router(
+            dim,
+            args.num_experts,
+            args.top_k,
+            score_func=args.score_func,
+            route_norm=args.route_norm,
+            route_scale=args.route_scale,
+            init_std=args.router_init_std,
+            aux_loss_coeff=args.aux_loss_coeff,
+            force_balance=args.force_balance,
+        )
+        self.experts = GroupedExperts(dim, args.inter_dim, args.num_experts)
+        self.dispatcher = None  # built on first use for the device (or set by parallelize)
+        self.bias_update_rate = args.bias_update_rate
+        # The last optimizer step's statistics over all ranks, set by moe/balance.py.
+        self.last_tokens_per_expert: torch.Tensor | None = None  # [E] int64
+        self.last_aux_loss: torch.Tensor | None = None  # 0-dim fp64
+        # Statistics, not model state: not saved in checkpoints.
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+
+    def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
+        self.router.init_weights()
+        self.experts.init_weights(out_std)
+        device = buffer_device or self.router.gate.weight.device
+        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        self.aux_loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+
+    def set_dispatcher(self, dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.experts.kernels = dispatcher.kernels
+
+    def _default_dispatcher(self, device: torch.device) -> LocalDispatcher:
+        kernels = resolve_kernels(self.args.kernels, device)
+        align = resolve_alignment(self.args.padding, self.args.align, device)
+        return LocalDispatcher(self.num_experts, align=align, kernels=kernels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S, D] -> [B, S, D]."""
+        if self.dispatcher is None:
+            self.set_dispatcher(self._default_dispatcher(x.device))
+        batch_size, seq_len, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        routing = self.router(tokens, seq_len=seq_len)
+        if self.training and not _in_backward():
+            with torch.no_grad():
+                self.tokens_per_expert.add_(routing.tokens_per_expert)
+                if routing.aux_loss is not None:
+                    self.aux_loss_sum.add_(routing.aux_loss.detach())
+
+        batch = self.dispatcher.dispatch(tokens, routing)
+        y = self.experts(batch)
+        out = self.dispatcher.combine(y, batch)
+        if routing.aux_loss is not None:
+            out = _AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
+        return out.view(batch_size, seq_len, dim)

@@ -1,0 +1,29 @@
+"""Data with no download: a learnable synthetic stream, or local text/JSONL files."""
+
+from __future__ import annotations
+
+from torchtitan_moe.data.synthetic import SyntheticMarkovDataset
+from torchtitan_moe.data.text import LocalTextDataset
+from torchtitan_moe.data.tokenizer import build_tokenizer
+from torchtitan_moe.torchtitan_compat import ParallelAwareDataloader
+
+__all__ = ["build_dataloader", "build_tokenizer"]
+
+
+def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, vocab_size: int):
+    """torchtitan's dataloader builder: one stream per data-parallel rank, checkpointable."""
+    training = job_config.training
+    if training.dataset == "synthetic":
+        dataset = SyntheticMarkovDataset(
+            vocab_size, training.seq_len, dp_rank,
+            successors=job_config.data.synthetic_successors, seed=job_config.data.synthetic_seed,
+        )
+    elif training.dataset == "text":
+        if tokenizer.get_vocab_size() > vocab_size:
+            raise ValueError(
+                f"[data] tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is {vocab_size}"
+            )
+        dataset = LocalTextDataset(training.dataset_path, tokenizer, training.seq_len, dp_rank, dp_world_size)
+    else:
+        raise ValueError(f"[training] dataset = {training.dataset!r}: expected 'synthetic' or 'text'")
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=training.local_batch_size)

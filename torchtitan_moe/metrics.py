@@ -1,0 +1,104 @@
+"""The step line and the per-step record: torchtitan's metrics plus what MoE training needs.
+
+    step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  mfu: 0.00%
+          | moe aux: 1.003  load max/mean: 1.21  cv: 0.09  dead: 0
+
+Rank 0 also appends every logged step to `<dump_folder>/metrics.jsonl` (full precision),
+which the parity harness and the tests read. The MoE numbers come from the statistics the
+balancing hook already reduced over all ranks (moe/balance.py): logging adds no collective.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import torch
+
+from torchtitan_moe.moe.balance import moe_layers
+from torchtitan_moe.torchtitan_compat import MetricsProcessor, logger
+
+
+def load_stats(loads: torch.Tensor) -> dict[str, float]:
+    """loads [L, E] tokens per expert -> the worst layer's max/mean, CV and dead experts."""
+    loads = loads.double()
+    mean = loads.mean(dim=1).clamp_min(1e-12)
+    return {
+        "load_max_over_mean": float((loads.max(dim=1).values / mean).max()),
+        "load_cv": float((loads.std(dim=1, unbiased=False) / mean).max()),
+        "dead_experts": int((loads == 0).sum()),
+    }
+
+
+class MoEMetricsProcessor(MetricsProcessor):
+    def __init__(self, job_config, parallel_dims, model_args=None, tag: str | None = None):
+        super().__init__(job_config, parallel_dims, tag)
+        self.jsonl_path = None
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(job_config.job.dump_folder, exist_ok=True)
+            self.jsonl_path = os.path.join(job_config.job.dump_folder, "metrics.jsonl")
+
+    def moe_metrics(self) -> dict[str, Any]:
+        layers = moe_layers(self.model_parts or [])
+        if not layers or layers[0].last_tokens_per_expert is None:
+            return {}
+        loads = torch.stack([layer.last_tokens_per_expert for layer in layers]).cpu()
+        aux = [layer.last_aux_loss for layer in layers]
+        metrics: dict[str, Any] = {"moe/tokens_per_expert": loads.tolist(), **{f"moe/{k}": v for k, v in load_stats(loads).items()}}
+        if any(layer.router.aux_loss_coeff > 0 for layer in layers):
+            metrics["moe/aux_loss"] = float(torch.stack(aux).mean())
+        return metrics
+
+    def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
+            extra_metrics: dict[str, Any] | None = None) -> None:
+        elapsed = time.perf_counter() - self.time_last_log
+        tps = self.ntokens_since_last_log / (elapsed * self.parallel_dims.non_data_parallel_size)
+        tflops = self.num_flops_per_token * tps / 1e12
+        mem = self.device_memory_monitor.get_peak_stats()
+        metrics: dict[str, Any] = {
+            "loss_metrics/global_avg_loss": global_avg_loss,
+            "loss_metrics/global_max_loss": global_max_loss,
+            "grad_norm": grad_norm,
+            "throughput(tps)": tps,
+            "tflops": tflops,
+            "mfu(%)": 100 * tflops * 1e12 / self.gpu_peak_flops,
+            "time_metrics/end_to_end(s)": elapsed / self.job_config.metrics.log_freq,
+            "memory/max_reserved(GiB)": mem.max_reserved_gib,
+            "memory/max_active(GiB)": mem.max_active_gib,
+            **(extra_metrics or {}),
+            **self.moe_metrics(),
+        }
+        loads = metrics.pop("moe/tokens_per_expert", None)
+        self.logger.log(metrics, step)
+
+        c = self.color
+        line = (
+            f"{c.red}step: {step:2}  {c.green}loss: {global_avg_loss:8.5f}  "
+            f"{c.orange}grad_norm: {grad_norm:7.4f}  {c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB  "
+            f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {tflops:,.2f}{c.reset}"
+        )
+        if "moe/load_cv" in metrics:
+            line += "  | moe"
+            if "moe/aux_loss" in metrics:
+                line += f" aux: {metrics['moe/aux_loss']:.4f}"
+            line += (
+                f"  load max/mean: {metrics['moe/load_max_over_mean']:.2f}  cv: {metrics['moe/load_cv']:.3f}"
+                f"  dead: {metrics['moe/dead_experts']}"
+            )
+        logger.info(line)
+
+        if self.jsonl_path:
+            record = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, **metrics, "moe/tokens_per_expert": loads}
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+        self.ntokens_since_last_log = 0
+        self.data_loading_times.clear()
+        self.time_last_log = time.perf_counter()
+        self.device_memory_monitor.reset_peak_stats()
+
+
+def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None) -> MoEMetricsProcessor:
+    return MoEMetricsProcessor(job_config, parallel_dims, model_args, tag)

@@ -1,0 +1,81 @@
+"""Qwen3-MoE model arguments and flavors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from torch import nn
+
+from torchtitan_moe.moe.layer import MoE, MoEArgs
+from torchtitan_moe.torchtitan_compat import BaseModelArgs
+
+
+@dataclass
+class Qwen3MoEArgs(BaseModelArgs):
+    dim: int = 2048
+    n_layers: int = 48
+    n_heads: int = 32
+    n_kv_heads: int = 4
+    head_dim: int = 128
+    vocab_size: int = 151936
+    norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    qk_norm: bool = True
+    max_seq_len: int = 4096
+    attn_type: str = "sdpa"  # the torchtitan attention we reuse reads these two
+    attn_mask_type: str = "causal"
+    enable_weight_tying: bool = False
+    moe: MoEArgs = field(default_factory=MoEArgs)
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        """Apply [moe], [router], [kernels] and the sequence length from the job config."""
+        self.max_seq_len = job_config.training.seq_len
+        m, r = job_config.moe, job_config.router
+        moe = self.moe
+        self.moe = replace(
+            moe,
+            num_experts=m.num_experts if m.num_experts is not None else moe.num_experts,
+            top_k=m.top_k if m.top_k is not None else moe.top_k,
+            inter_dim=m.inter_dim if m.inter_dim is not None else moe.inter_dim,
+            padding=m.padding,
+            align=m.align,
+            score_func=r.score_func if r.score_func is not None else moe.score_func,
+            route_norm=r.route_norm if r.route_norm is not None else moe.route_norm,
+            route_scale=r.route_scale,
+            router_init_std=r.init_std,
+            bias_update_rate=r.bias_update_rate,
+            aux_loss_coeff=r.aux_loss_coeff,
+            force_balance=r.force_balance,
+            kernels=job_config.kernels.backend,
+        )
+
+    def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
+        """Total parameters and training FLOPs per token (6 x active non-embedding params
+        + attention scores and values: 12 x layers x heads x head_dim x seq_len)."""
+        total = sum(p.numel() for p in model.parameters())
+        embedding = sum(p.numel() for p in model.tok_embeddings.parameters())
+        experts = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
+        active_experts = experts * self.moe.top_k // self.moe.num_experts
+        active = total - embedding - experts + active_experts
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return total, 6 * active + attention
+
+
+FLAVORS: dict[str, Qwen3MoEArgs] = {
+    # Trains on a CPU in seconds; the synthetic stream's loss falls within a few dozen steps.
+    "debug": Qwen3MoEArgs(
+        dim=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, vocab_size=2048,
+        max_seq_len=512, rope_theta=1e4,
+        moe=MoEArgs(num_experts=8, top_k=2, inter_dim=128),
+    ),
+    # Qwen3-30B-A3B.
+    "30b-a3b": Qwen3MoEArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
+        rope_theta=1e6, moe=MoEArgs(num_experts=128, top_k=8, inter_dim=768),
+    ),
+    # Qwen3-30B-A3B at 8 layers (5.6B parameters): single-node benchmarks.
+    "30b-a3b-8l": Qwen3MoEArgs(
+        dim=2048, n_layers=8, n_heads=32, n_kv_heads=4, head_dim=128, vocab_size=151936,
+        rope_theta=1e6, moe=MoEArgs(num_experts=128, top_k=8, inter_dim=768),
+    ),
+}

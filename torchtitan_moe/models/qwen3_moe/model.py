@@ -1,0 +1,79 @@
+"""Qwen3-MoE: torchtitan's Qwen3 attention (qk-norm, GQA, RoPE) with our MoE layer.
+
+    tokens [B, S] ─► tok_embeddings ─► n_layers x TransformerBlock ─► norm ─► output [B, S, V]
+    TransformerBlock: h = x + attention(attention_norm(x));  out = h + moe(ffn_norm(h))
+
+Module names follow torchtitan's (tok_embeddings, layers, norm, output, moe_enabled) so
+its activation checkpointing, checkpointing and metrics work unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from torchtitan_moe.models.qwen3_moe.args import Qwen3MoEArgs
+from torchtitan_moe.moe.layer import MoE
+from torchtitan_moe.torchtitan_compat import Attention, ModelProtocol, precompute_rope_cache, trunc_normal_
+
+
+class TransformerBlock(nn.Module):
+    moe_enabled = True  # read by torchtitan's activation checkpointing and metrics
+
+    def __init__(self, layer_id: int, args: Qwen3MoEArgs):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.moe = MoE(args.moe, args.dim)
+        # Output projections shrink with depth so the residual stream's variance stays bounded.
+        self.out_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope_cache, None)
+        return x + self.moe(self.ffn_norm(x))
+
+    def init_weights(self, buffer_device: torch.device | None) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.out_init_std)
+        self.moe.init_weights(self.out_init_std, buffer_device)
+
+
+class Qwen3MoEModel(ModelProtocol):
+    def __init__(self, args: Qwen3MoEArgs):
+        super().__init__(args)
+        self.model_args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.enable_weight_tying:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _rope_cache(self) -> torch.Tensor:
+        args = self.model_args
+        return precompute_rope_cache(args.head_dim, args.max_seq_len, args.rope_theta)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        buffer_device = buffer_device or self.rope_cache.device
+        with torch.device(buffer_device):
+            self.rope_cache = self._rope_cache()
+        nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            layer.init_weights(buffer_device)
+        self.norm.reset_parameters()
+        if self.model_args.enable_weight_tying:
+            self.output.weight = self.tok_embeddings.weight
+        std = self.model_args.dim**-0.5
+        trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
+        """tokens [B, S] int64 -> logits [B, S, V]. Causal SDPA attention only."""
+        if attention_masks is not None or positions is not None:
+            raise ValueError("qwen3_moe uses causal SDPA attention: attention_masks and positions must be None")
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope_cache)
+        return self.output(self.norm(h))

@@ -1,0 +1,91 @@
+"""Parallelize Qwen3-MoE: expert parallelism, activation checkpointing, compile, FSDP2.
+
+FSDP2 groups (outermost last):
+    tok_embeddings | per block: router (fp32 params), experts (EP: on the efsdp mesh), block
+    | norm + output | model
+The router gets its own group with fp32 parameters so the gate is computed in fp32 even
+when the rest of the block all-gathers bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+from torchtitan_moe.dispatch.build import build_dispatchers
+from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, logger, use_sum_reductions
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Ops whose outputs selective activation checkpointing keeps rather than recomputes.
+_SAC_SAVE_LIST = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten._grouped_mm.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
+    torch.ops._c10d_functional.all_to_all_single.default,
+    torch.ops.aten.max.default,
+}
+
+
+def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_config) -> nn.Module:
+    build_dispatchers(model, parallel_dims, job_config)
+
+    if job_config.activation_checkpoint.mode != "none":
+        apply_ac(
+            model,
+            job_config.activation_checkpoint,
+            model_compile_enabled=job_config.compile.enable,
+            op_sac_save_list=_SAC_SAVE_LIST,
+            base_folder=job_config.job.dump_folder,
+        )
+    if job_config.compile.enable and "model" in job_config.compile.components:
+        for name, block in model.layers.named_children():
+            model.layers.register_module(name, torch.compile(block, fullgraph=False))
+        logger.info("Compiled each TransformerBlock with torch.compile")
+
+    if parallel_dims.fsdp_enabled:
+        apply_fsdp(model, parallel_dims, job_config)
+    elif parallel_dims.dp_replicate_enabled:
+        raise ValueError("[parallelism] data_parallel_replicate_degree > 1 without sharding is not supported; use FSDP")
+    return model
+
+
+def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:
+    training = job_config.training
+    mp = MixedPrecisionPolicy(
+        param_dtype=_DTYPES[training.mixed_precision_param],
+        reduce_dtype=_DTYPES[training.mixed_precision_reduce],
+    )
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    dp_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+    dp_mesh = parallel_dims.get_mesh(dp_names)
+    ep = parallel_dims.ep
+    reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
+
+    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    for block in model.layers.values():
+        moe = block.moe
+        fully_shard(moe.router, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+        if ep > 1:
+            edp_names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
+            edp_mesh = parallel_dims.get_mesh(edp_names)
+            # When experts are fewer than efsdp x ep shards, shard each expert's rows instead.
+            experts_per_rank = moe.experts.num_experts // ep
+            placement = (lambda p: Shard(1)) if edp_mesh.size() > experts_per_rank else None
+            fully_shard(moe.experts, mesh=edp_mesh, mp_policy=mp, reshard_after_forward=reshard,
+                        shard_placement_fn=placement)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+    # The loss is already divided by the global token count: FSDP must only sum.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+    use_sum_reductions(model)
+    logger.info(f"Applied FSDP2 over {dp_names} ({dp_mesh.size()} ranks), EP = {ep}")

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Launch training on this node: bash scripts/train.sh CONFIG [--section.key value ...]
+# One process per GPU; on a machine without GPUs, NPROC CPU processes over gloo (default 2).
+# Only rank LOG_RANK (default 0) prints.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+config=${1:?usage: scripts/train.sh CONFIG [--section.key value ...]}
+shift
+py=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+nproc=${NPROC:-$("$py" -c "import torch; print(torch.cuda.device_count() or 2)")}
+exec "$py" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
+    --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
+    -m torchtitan_moe.train --job.config_file "$config" "$@"

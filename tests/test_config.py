@@ -1,0 +1,104 @@
+"""Config validation: bad configs stop with one line naming the key; the bundled ones pass."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtitan_moe.check_config import check
+from torchtitan_moe.config import ConfigError
+from torchtitan_moe.config_loader import load_job_config, read_toml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = ROOT / "configs" / "debug.toml"
+
+
+def write_toml(path: Path, values: dict) -> str:
+    lines = []
+    for section, table in values.items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            text = repr(value) if not isinstance(value, bool) else str(value).lower()
+            lines.append(f"{key} = {text.replace(chr(39), chr(34))}")
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def debug_with(tmp_path: Path, **changes) -> str:
+    """configs/debug.toml with `section__key=value` changes (value None removes the key)."""
+    values = read_toml(str(DEBUG))
+    for name, value in changes.items():
+        section, key = name.split("__")
+        table = values.setdefault(section, {})
+        if value is None:
+            table.pop(key, None)
+        else:
+            table[key] = value
+    return write_toml(tmp_path / "config.toml", values)
+
+
+@pytest.mark.parametrize("name", ["debug.toml", "qwen3_30b_a3b.toml", "qwen3_30b_a3b_8l.toml"])
+def test_bundled_configs_pass(name):
+    assert check([str(ROOT / "configs" / name)]).startswith("ok: qwen3_moe")
+
+
+def test_cli_overrides_apply():
+    config = load_job_config(["--job.config_file", str(DEBUG), "--moe.top_k", "4", "--router.init_std=0.01"])
+    assert config.moe.top_k == 4 and config.router.init_std == 0.01
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"bogus__key": 1}, "unknown section [bogus]"),
+        ({"moe__experts": 4}, "unknown key [moe] experts"),
+        ({"moe__top_k": "two"}, "[moe] top_k = 'two': expected int | unset"),
+        ({"router__init_std": "big"}, "[router] init_std = 'big': expected float"),
+        ({"moe__padding": "sometimes"}, "[moe] padding = 'sometimes': expected 'none' | 'auto' | 'always'"),
+        ({"moe__top_k": 9}, "[moe] top_k = 9: must be in 1..num_experts (8)"),
+        ({"moe__align": 12}, "[moe] align = 12: must be one of 8, 16, 32"),
+        ({"parallelism__expert_parallel_degree": 3}, "expert_parallel_degree = 3: must divide [moe] num_experts (8)"),
+        ({"parallelism__expert_parallel_degree": 2, "dispatch__backend": "local"}, "[dispatch] backend = 'local' needs expert_parallel_degree = 1"),
+        ({"dispatch__backend": "all_to_all"}, "needs [parallelism] expert_parallel_degree > 1"),
+        ({"parallelism__tensor_parallel_degree": 2}, "tensor_parallel_degree = 2: qwen3_moe supports FSDP and EP only"),
+        ({"router__init_std": -1.0}, "[router] init_std = -1.0: must be >= 0"),
+        ({"training__dataset": "text"}, "[training] dataset_path = None: no such file or folder"),
+        ({"training__dataset": "c4"}, "[training] dataset = 'c4': expected 'synthetic' or 'text'"),
+        ({"data__tokenizer": "missing.json"}, "[data] tokenizer = 'missing.json': expected 'bytes' or the path"),
+        ({"model__flavor": "huge"}, "[model] flavor = 'huge': expected one of 'debug'"),
+    ],
+)
+def test_bad_config_is_one_clear_line(tmp_path, changes, expected):
+    path = debug_with(tmp_path, **changes)
+    with pytest.raises(ConfigError) as err:
+        load_job_config(["--job.config_file", path])
+    message = str(err.value)
+    assert expected in message and "\n" not in message
+
+
+def test_unknown_cli_key_is_rejected():
+    with pytest.raises(ConfigError, match=r"--moe.experts: unknown key 'experts' in \[moe\]"):
+        load_job_config(["--job.config_file", str(DEBUG), "--moe.experts", "4"])
+
+
+def test_ep_must_divide_the_process_count(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    path = debug_with(tmp_path, parallelism__expert_parallel_degree=4, dispatch__backend="all_to_all")
+    with pytest.raises(ConfigError, match=r"expert_parallel_degree = 4: must divide the FSDP group size \(6"):
+        load_job_config(["--job.config_file", path])
+
+
+def test_check_config_cli_prints_one_line_and_exits_2(tmp_path):
+    path = debug_with(tmp_path, moe__top_k=99)
+    result = subprocess.run([sys.executable, "-m", "torchtitan_moe.check_config", path], capture_output=True, text=True)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
+    assert errors == [f"config error: [moe] top_k = 99: must be in 1..num_experts (8)"]
+    assert "Traceback" not in result.stderr
+
+
+def test_check_config_cli_accepts_the_debug_config():
+    result = subprocess.run([sys.executable, "-m", "torchtitan_moe.check_config", str(DEBUG)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("ok: qwen3_moe debug")

@@ -69,9 +69,9 @@ class Router:
 
 @dataclass
 class Dispatch:
-    backend: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
-    """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed),
-    'deepep' (DeepEP, built from source), 'auto' (local at EP = 1, else all_to_all)."""
+    backend: Literal["auto", "local", "all_to_all"] = "auto"
+    """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed,
+    one copy of a token per destination rank), 'auto' (local at EP = 1, else all_to_all)."""
 
 
 @dataclass
@@ -281,10 +281,10 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     backend = cfg.dispatch.backend
     _need(
         not (backend == "local" and ep > 1),
-        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all' or 'deepep'",
+        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all'",
     )
     _need(
-        not (backend in ("all_to_all", "deepep") and ep == 1),
+        not (backend == "all_to_all" and ep == 1),
         f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
     )
 

@@ -10,11 +10,12 @@ Every dispatcher fills the same `ExpertBatch`, so the experts never know how row
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from torchtitan_moe.moe.router import Routing
+if TYPE_CHECKING:  # the moe package imports this one: annotations only
+    from torchtitan_moe.moe.router import Routing
 
 
 @dataclass

@@ -8,11 +8,15 @@ deterministic and gather-based: no atomics, no scatter_add.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
-from torchtitan_moe.moe.router import Routing
+
+if TYPE_CHECKING:  # the moe package imports this one: annotations only
+    from torchtitan_moe.moe.router import Routing
 
 
 class LocalDispatcher:

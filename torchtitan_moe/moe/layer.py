@@ -16,7 +16,6 @@ from typing import Literal
 import torch
 from torch import nn
 
-from torchtitan_moe.dispatch.local import LocalDispatcher
 from torchtitan_moe.moe.experts import GroupedExperts
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
@@ -115,7 +114,10 @@ class MoE(nn.Module):
         self.dispatcher = dispatcher
         self.experts.kernels = dispatcher.kernels
 
-    def _default_dispatcher(self, device: torch.device) -> LocalDispatcher:
+    def _default_dispatcher(self, device: torch.device):
+        # Imported here: dispatchers import the router, and this package imports this module.
+        from torchtitan_moe.dispatch.local import LocalDispatcher
+
         kernels = resolve_kernels(self.args.kernels, device)
         align = resolve_alignment(self.args.padding, self.args.align, device)
         return LocalDispatcher(self.num_experts, align=align, kernels=kernels)

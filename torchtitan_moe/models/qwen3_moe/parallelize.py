@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
@@ -43,6 +44,7 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
             op_sac_save_list=_SAC_SAVE_LIST,
             base_folder=job_config.job.dump_folder,
         )
+        keep_exchanges_for_recompute(model)
     if job_config.compile.enable and "model" in job_config.compile.components:
         for name, block in model.layers.named_children():
             model.layers.register_module(name, torch.compile(block, fullgraph=False))
@@ -53,6 +55,15 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
     elif parallel_dims.dp_replicate_enabled:
         raise ValueError("[parallelism] data_parallel_replicate_degree > 1 without sharding is not supported; use FSDP")
     return model
+
+
+def keep_exchanges_for_recompute(model: nn.Module) -> None:
+    """In checkpointed blocks, the recompute replays the all-to-all results instead of
+    exchanging again: the exchange costs network time and a host sync, its result a buffer."""
+    for block in model.layers.values():
+        dispatcher = block.moe.dispatcher
+        if isinstance(block, CheckpointWrapper) and hasattr(dispatcher, "keep_exchanges"):
+            dispatcher.keep_exchanges = True
 
 
 def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:

@@ -1,0 +1,114 @@
+"""The all-to-all dispatcher against the local one, forward and backward, on gloo ranks."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
+
+from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher, first_per_rank
+from torchtitan_moe.moe import MoE, MoEArgs
+
+DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
+
+
+def make_layer(padding: str, zero_gate: bool) -> MoE:
+    torch.manual_seed(0)  # the same weights on every rank
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels="torch",
+                        router_init_std=0.0 if zero_gate else 0.5), DIM)
+    layer.init_weights(out_std=0.1)
+    return layer
+
+
+def forward_backward(layer: MoE, x: torch.Tensor, grad: torch.Tensor, use_checkpoint: bool = False):
+    x = x.clone().requires_grad_()
+    out = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+    out.backward(grad)
+    return out.detach(), x.grad, layer.router.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad
+
+
+def count_exchanges(monkeypatch_target: list) -> None:
+    original = dist.all_to_all_single
+
+    def counting(*args, **kwargs):
+        monkeypatch_target.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = counting
+
+
+def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, failures):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(100 + rank)  # different tokens on every rank
+        x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
+
+        local = make_layer(padding, zero_gate)
+        ref = forward_backward(local, x, grad)
+        # Expert gradients under EP gather every rank's tokens: sum the local references.
+        ref_w13, ref_w2 = ref[3].clone(), ref[4].clone()
+        dist.all_reduce(ref_w13)
+        dist.all_reduce(ref_w2)
+
+        ep = make_layer(padding, zero_gate)
+        per_rank = EXPERTS // world
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        ep.experts.w13 = torch.nn.Parameter(ep.experts.w13.detach()[mine].clone())
+        ep.experts.w2 = torch.nn.Parameter(ep.experts.w2.detach()[mine].clone())
+        dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels="torch")
+        dispatcher.keep_exchanges = use_checkpoint
+        ep.set_dispatcher(dispatcher)
+        calls: list = []
+        count_exchanges(calls)
+        out = forward_backward(ep, x, grad, use_checkpoint)
+
+        torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[1], ref[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[2], ref[2], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[3], ref_w13[mine], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out[4], ref_w2[mine], rtol=1e-5, atol=1e-6)
+        # Forward: counts, rows, meta, the way back; backward: rows, meta, the way back.
+        # A checkpointed recompute replays its exchanges instead of repeating them.
+        assert len(calls) == 7, f"{len(calls)} all-to-all calls"
+        assert not dispatcher._kept
+    except BaseException as e:  # report to the parent: a spawned process's assertion is otherwise lost
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "world, padding, zero_gate, use_checkpoint",
+    [
+        (2, "none", False, False),
+        (4, "always", False, False),
+        (4, "none", True, False),  # every token to experts 0..2: ranks 1-3 receive nothing
+        (2, "always", False, True),  # activation checkpointing replays the exchanges
+    ],
+)
+def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint):
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(worker, args=(world, free_port(), padding, zero_gate, use_checkpoint, failures), nprocs=world)
+    except Exception:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        pytest.fail("\n".join(messages) or "a rank failed")
+
+
+def test_first_per_rank_marks_one_slot_per_token_and_rank():
+    dest = torch.tensor([[0, 1, 0, 2], [3, 3, 3, 3], [1, 0, 2, 0]])
+    expected = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    assert torch.equal(first_per_rank(dest), expected)

@@ -1,0 +1,180 @@
+"""All-to-all dispatcher (EP > 1, torch.distributed): each token travels once per rank.
+
+A token routed to three experts on one rank crosses the network once and is expanded to
+those experts on arrival; on the way back that rank first sums its experts' outputs for
+the token (the probabilities were already applied in the experts) and returns one row.
+torchtitan sends one row per (token, expert) instead: up to top_k copies of a token.
+
+    dispatch  x [T, D] ─gather_rows─► send [S, D] rows grouped by destination rank
+              counts (rows, slots) per rank ─all_to_all─► the one host sync: split sizes
+              send + meta [S, 2K] (local expert ids | probs) ─all_to_all─► recv [R, D]
+              recv ─gather_rows (by local expert)─► ExpertBatch [N, D]
+    combine   y [N, D] ─combine─► per (token, source rank) [R, D] ─all_to_all─► [S, D]
+              ─combine─► out [T, D]
+
+Everything but the exchanges is gather-based and deterministic (ops.gather_rows/combine).
+Under activation checkpointing the recomputed forward replays the exchanges it kept from
+the first forward (`keep_exchanges`) instead of communicating again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_moe import ops
+from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.moe.router import count_tokens
+
+if TYPE_CHECKING:
+    from torchtitan_moe.moe.router import Routing
+
+
+class _Exchange(torch.autograd.Function):
+    """all_to_all_single with autograd; backward sends the gradient back the way it came.
+
+    `kept` ([tensor] or None) replays an earlier result (activation checkpointing): no
+    communication forward, the usual reverse exchange backward. It travels in a list so
+    autograd does not take it for an input returned unchanged.
+    """
+
+    @staticmethod
+    def forward(ctx, x, send_splits, recv_splits, group, kept):
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        if kept is not None:
+            return kept[0]
+        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty((sum(ctx.send_splits), *grad.shape[1:]))
+        dist.all_to_all_single(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
+        return out, None, None, None, None
+
+
+class _Rows(NamedTuple):
+    """A RoutingIndex trimmed to the rows that exist (the fields ops.gather_rows/combine read)."""
+
+    inv: torch.Tensor
+    row_slot: torch.Tensor
+    top_k: int
+    num_rows: torch.Tensor
+
+
+@dataclass
+class _Plan:
+    """What combine (and a checkpointed recompute) needs from dispatch."""
+
+    send_index: _Rows  # token slots -> send rows, one per (token, destination rank)
+    local_index: Any  # ops.RoutingIndex: received rows -> expert-major rows
+    send_rows: list[int]  # rows sent to each rank
+    recv_rows: list[int]  # rows received from each rank
+
+
+def first_per_rank(dest: torch.Tensor) -> torch.Tensor:
+    """dest [T, K] ranks -> [T, K] bool: True at the first slot of each (token, rank)."""
+    same = dest.unsqueeze(2) == dest.unsqueeze(1)  # [T, K, K]: slot k and slot j go to one rank
+    earlier = torch.ones(dest.shape[1], dest.shape[1], dtype=torch.bool, device=dest.device).tril(-1)
+    return ~(same & earlier).any(dim=2)
+
+
+class AllToAllDispatcher:
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, align: int = 1, kernels: str = "torch"):
+        self.group = group
+        self.ep_size = dist.get_world_size(group)
+        self.ep_rank = dist.get_rank(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts = {num_experts} is not divisible by the EP degree {self.ep_size}")
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.ep_size
+        self.align = align
+        self.kernels = kernels
+        self.keep_exchanges = False  # set by parallelize where the block is checkpointed
+        # Results of this layer's exchanges, in order, from the forward to its recompute.
+        self._kept: deque = deque()
+
+    # -- exchanges, kept for activation-checkpointing replay --------------------------------
+
+    def _replaying(self) -> bool:
+        # Recompute under activation checkpointing runs inside the backward pass.
+        return self.keep_exchanges and torch._C._current_graph_task_id() != -1
+
+    def _keep(self, item) -> None:
+        if self.keep_exchanges and torch.is_grad_enabled():
+            self._kept.append(item)
+
+    def _replayed(self):
+        if not self._kept:
+            raise RuntimeError("all-to-all replay: the recomputed forward asked for an exchange that was not kept")
+        return self._kept.popleft()
+
+    def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        if self._replaying():
+            return _Exchange.apply(x, send, recv, self.group, [self._replayed()])
+        out = _Exchange.apply(x, send, recv, self.group, None)
+        self._keep(out.detach())
+        return out
+
+    def _plan_exchange(self, counts: torch.Tensor) -> tuple[list[int], list[int], int]:
+        """counts [P, 2] (rows, slots) to each rank -> rows to/from each rank, slots received."""
+        if self._replaying():
+            return self._replayed()
+        # A forward that starts with leftovers had no backward (e.g. its loss was dropped).
+        self._kept.clear()
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=self.group)
+        flat = torch.cat([counts[:, 0], recv[:, 0], recv[:, 1].sum().view(1)]).tolist()  # the host sync
+        p = self.ep_size
+        plan = flat[:p], flat[p : 2 * p], flat[2 * p]
+        self._keep(plan)
+        return plan
+
+    # -- the dispatcher seam ------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
+        experts, probs = routing.experts, routing.probs
+        top_k = experts.shape[1]
+        dest = experts // self.local_experts  # [T, K] EP rank of each slot
+        rank_slots = torch.where(first_per_rank(dest), dest, torch.full_like(dest, -1))
+        send_index = ops.routing_index(rank_slots, self.ep_size, backend=self.kernels)
+        counts = torch.stack([send_index.tokens_per_expert, count_tokens(dest, self.ep_size)], dim=1)
+        send_rows, recv_rows, recv_slots = self._plan_exchange(counts)
+
+        num_send = sum(send_rows)
+        send_index = _Rows(send_index.inv, send_index.row_slot[:num_send], top_k, send_index.num_rows)
+        rows = ops.gather_rows(x, send_index, backend=self.kernels)  # [S, D]
+
+        # Each sent row carries its token's slots on that rank: local expert ids and probs.
+        slot = send_index.row_slot  # [S] first slot t*K + k of the (token, rank)
+        token = slot // top_k
+        here = dest[token] == dest.reshape(-1)[slot].unsqueeze(1)  # [S, K]
+        ids = torch.where(here, experts[token] % self.local_experts, -1)
+        meta = torch.cat([ids.to(probs.dtype), torch.where(here, probs[token], 0.0)], dim=1)  # [S, 2K] fp32
+
+        recv = self._exchange(rows, send_rows, recv_rows)  # [R, D]
+        recv_meta = self._exchange(meta, send_rows, recv_rows)  # [R, 2K]
+        local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
+        local_index = ops.routing_index(
+            local_ids, self.local_experts, self.align, num_slots=recv_slots, backend=self.kernels
+        )
+        expert_rows = ops.gather_rows(recv, local_index, backend=self.kernels)
+        return ExpertBatch(
+            x=expert_rows,
+            probs=slots_to_rows(local_probs, local_index.inv, expert_rows.shape[0]),
+            offsets=local_index.offsets,
+            num_rows=local_index.num_rows,
+            tokens_per_expert=local_index.tokens_per_expert,
+            ctx=_Plan(send_index, local_index, send_rows, recv_rows),
+        )
+
+    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        plan: _Plan = batch.ctx
+        per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts
+        back = self._exchange(per_row, plan.recv_rows, plan.send_rows)  # [S, D]
+        return ops.combine(back, plan.send_index, backend=self.kernels)  # [T, D]: sum over ranks

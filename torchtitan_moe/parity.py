@@ -1,0 +1,244 @@
+"""Loss / grad-norm parity across settings, from one seed checkpoint and the same data.
+
+    python -m torchtitan_moe.parity CONFIG --vary parallelism.expert_parallel_degree=1,2,4 \\
+        [--vary other.key=a,b] [--steps 20] [--nproc N] [--loss-rtol 1e-5] [--grad-rtol 1e-5] \\
+        [--deterministic] [--out DIR] [-- --section.key value ...]
+
+1. One process writes a seed checkpoint (step 0) of the config's model.
+2. Each setting (the product of the --vary lists) trains `--steps` steps on `--nproc`
+   processes, loading that seed (`checkpoint.initial_load_path`, `load_only`): the same
+   weights and, with the same process count, the same data on every rank.
+3. A per-step table of loss, grad norm, aux loss and expert load, the max relative
+   differences to the first setting, a PNG plot and `parity.md` go to --out; the exit status
+   is 1 when a difference is outside the tolerance.
+
+Doubled or halved gradients under expert parallelism (a known failure of EP stacks) show up
+as a grad-norm ratio of 2 from step 1. With `--deterministic`, loss columns that agree
+bitwise are marked `=`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class Setting:
+    name: str  # e.g. "ep=2"
+    overrides: list[str]  # e.g. ["--parallelism.expert_parallel_degree", "2"]
+
+
+def settings_from(varies: list[str]) -> list[Setting]:
+    """["a.b=1,2", "c.d=x,y"] -> the product of the values, in order."""
+    axes = []
+    for vary in varies:
+        key, sep, values = vary.partition("=")
+        if not sep or "." not in key or not values:
+            raise SystemExit(f"parity: --vary {vary!r}: expected section.key=value1,value2,...")
+        axes.append([(key, v) for v in values.split(",")])
+    result = []
+    for combo in itertools.product(*axes):
+        short = ",".join(f"{k.split('.')[-1].replace('expert_parallel_degree', 'ep')}={v}" for k, v in combo)
+        result.append(Setting(short, [arg for k, v in combo for arg in (f"--{k}", v)]))
+    return result
+
+
+def launch(config: str, dump: Path, overrides: list[str], nproc: int, log: Path) -> None:
+    """Train one setting; stop the harness with the log's tail if it fails."""
+    cmd = [sys.executable, "-m", "torchtitan_moe.train"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "torchtitan_moe.train",
+    ]
+    cmd += ["--job.config_file", config, "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("TRITON_INTERPRET", None)
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n")
+        f.flush()
+        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+    if code != 0:
+        tail = log.read_text().splitlines()[-25:]
+        raise SystemExit(f"parity: run failed (exit {code}), log {log}:\n" + "\n".join(tail))
+
+
+def read_metrics(dump: Path) -> list[dict]:
+    with open(dump / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def rel_diff(a: float, b: float) -> float:
+    if a == b:
+        return 0.0
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+@dataclass
+class Comparison:
+    name: str
+    loss: float  # max relative difference to the baseline over steps
+    grad_norm: float
+    aux_loss: float | None
+    load: float  # max |difference| of any expert's share of its layer's tokens
+    loss_bitwise: bool
+
+    def ok(self, loss_rtol: float, grad_rtol: float) -> bool:
+        return self.loss <= loss_rtol and self.grad_norm <= grad_rtol and (self.aux_loss or 0.0) <= loss_rtol
+
+
+def load_shares(record: dict) -> torch.Tensor:
+    loads = torch.tensor(record["moe/tokens_per_expert"], dtype=torch.float64)
+    return loads / loads.sum(dim=1, keepdim=True).clamp_min(1)
+
+
+def compare(name: str, base: list[dict], other: list[dict]) -> Comparison:
+    if [r["step"] for r in base] != [r["step"] for r in other]:
+        raise SystemExit(f"parity: {name} logged other steps than the baseline")
+    aux = [rel_diff(a["moe/aux_loss"], b["moe/aux_loss"]) for a, b in zip(base, other) if "moe/aux_loss" in a]
+    return Comparison(
+        name=name,
+        loss=max(rel_diff(a["loss"], b["loss"]) for a, b in zip(base, other)),
+        grad_norm=max(rel_diff(a["grad_norm"], b["grad_norm"]) for a, b in zip(base, other)),
+        aux_loss=max(aux) if aux else None,
+        load=max(float((load_shares(a) - load_shares(b)).abs().max()) for a, b in zip(base, other)),
+        loss_bitwise=all(a["loss"] == b["loss"] for a, b in zip(base, other)),
+    )
+
+
+def load_cv(record: dict) -> float:
+    shares = load_shares(record)
+    return float((shares.std(dim=1, unbiased=False) / shares.mean(dim=1)).max())
+
+
+def table(names: list[str], runs: list[list[dict]], comparisons: list[Comparison], args) -> str:
+    """A markdown table: per step, each setting's loss and grad norm; then the summary."""
+    head = ["step"] + [f"loss {n}" for n in names] + [f"grad_norm {n}" for n in names]
+    has_aux = "moe/aux_loss" in runs[0][0]
+    head += [f"aux {n}" for n in names] if has_aux else []
+    head += [f"load cv {n}" for n in names]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for i, base in enumerate(runs[0]):
+        cells = [str(base["step"])]
+        cells += [f"{run[i]['loss']:.7f}" for run in runs]
+        cells += [f"{run[i]['grad_norm']:.6f}" for run in runs]
+        cells += [f"{run[i]['moe/aux_loss']:.6f}" for run in runs] if has_aux else []
+        cells += [f"{load_cv(run[i]):.4f}" for run in runs]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", f"max relative difference to {names[0]} (tolerance: loss {args.loss_rtol:g}, grad norm {args.grad_rtol:g}):", ""]
+    lines += ["| setting | loss | grad norm | aux loss | expert share (abs) | loss bitwise | verdict |", "|---|---|---|---|---|---|---|"]
+    for c in comparisons:
+        aux = "-" if c.aux_loss is None else f"{c.aux_loss:.2e}"
+        verdict = "ok" if c.ok(args.loss_rtol, args.grad_rtol) else "OUTSIDE TOLERANCE"
+        lines.append(f"| {c.name} | {c.loss:.2e} | {c.grad_norm:.2e} | {aux} | {c.load:.2e} | "
+                     f"{'=' if c.loss_bitwise else 'no'} | {verdict} |")
+    return "\n".join(lines)
+
+
+def plot(names: list[str], runs: list[list[dict]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("parity: the plot needs matplotlib: pip install 'torchtitan-moe[plot]' (or pass --no-plot)")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    base = runs[0]
+    for name, run in zip(names, runs):
+        steps = [r["step"] for r in run]
+        axes[0].plot(steps, [r["loss"] for r in run], label=name)
+        axes[1].plot(steps, [r["grad_norm"] for r in run], label=name)
+        if run is not base:
+            axes[2].semilogy(steps, [max(rel_diff(a["loss"], b["loss"]), 1e-12) for a, b in zip(base, run)], label=f"loss {name}")
+            axes[2].semilogy(steps, [max(rel_diff(a["grad_norm"], b["grad_norm"]), 1e-12) for a, b in zip(base, run)],
+                             "--", label=f"grad norm {name}")
+    axes[2].set_ylabel("1e-12 where equal")
+    for ax, title in zip(axes, ["loss", "grad norm", f"relative difference to {names[0]}"]):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.parity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--vary", action="append", required=True, help="section.key=v1,v2,... (repeatable)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--nproc", type=int, default=None, help="processes per setting (default: GPUs, else the largest EP)")
+    parser.add_argument("--loss-rtol", type=float, default=1e-5)
+    parser.add_argument("--grad-rtol", type=float, default=1e-5)
+    parser.add_argument("--deterministic", action="store_true", help="torch deterministic algorithms in every run")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--out", default=None, help="default: outputs/parity/<config name>")
+    args = parser.parse_args(argv)
+    args.extra = extra
+    return args
+
+
+def default_nproc(settings: list[Setting]) -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    eps = [int(s.overrides[i + 1]) for s in settings for i, a in enumerate(s.overrides) if a.endswith("expert_parallel_degree")]
+    return max([2, *eps])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    settings = settings_from(args.vary)
+    nproc = args.nproc or default_nproc(settings)
+    out = Path(args.out or Path("outputs") / "parity" / Path(args.config).stem)
+    out.mkdir(parents=True, exist_ok=True)
+    varied = {a for s in settings for a in s.overrides[::2]} | set(args.extra[::2])
+    # EP = 1 needs the local dispatcher, EP > 1 the all-to-all: let 'auto' pick per setting.
+    common = [] if "--dispatch.backend" in varied else ["--dispatch.backend", "auto"]
+    common += ["--debug.deterministic"] if args.deterministic else []
+    common += args.extra
+
+    seed_dir = out / "seed"
+    seed_ckpt = seed_dir / "checkpoint" / "step-0"
+    if not seed_ckpt.exists():
+        print(f"parity: writing the seed checkpoint to {seed_ckpt}", flush=True)
+        launch(args.config, seed_dir, [*common, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                                       "--parallelism.data_parallel_shard_degree", "1",
+                                       "--parallelism.expert_parallel_degree", "1"], 1, out / "seed.log")
+
+    runs = []
+    for s in settings:
+        dump = out / s.name.replace("=", "").replace(",", "_")
+        (dump / "metrics.jsonl").unlink(missing_ok=True)
+        print(f"parity: {s.name} on {nproc} processes, {args.steps} steps", flush=True)
+        launch(args.config, dump, [*common, *s.overrides, "--training.steps", str(args.steps), "--checkpoint.enable",
+                                   "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only"],
+               nproc, out / f"{dump.name}.log")
+        runs.append(read_metrics(dump))
+
+    names = [s.name for s in settings]
+    comparisons = [compare(n, runs[0], run) for n, run in zip(names[1:], runs[1:])]
+    report = table(names, runs, comparisons, args)
+    print(report)
+    (out / "parity.md").write_text(f"python -m torchtitan_moe.parity {' '.join(argv)}\n\n{report}\n")
+    if not args.no_plot:
+        plot(names, runs, out / "parity.png")
+        print(f"parity: plot {out / 'parity.png'}")
+    ok = all(c.ok(args.loss_rtol, args.grad_rtol) for c in comparisons)
+    print("parity: " + ("all settings within tolerance" if ok else "OUTSIDE TOLERANCE"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,8 @@ from torchtitan.config import JobConfig as TorchtitanJobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.moe import MoE as TorchtitanMoE
+from torchtitan.models.moe import MoEArgs as TorchtitanMoEArgs
 from torchtitan.models.qwen3.model.model import Attention, precompute_rope_cache
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model import BaseModelArgs, ModelProtocol
@@ -51,6 +53,8 @@ __all__ = [
     "TrainSpec",
     "Trainer",
     "TorchtitanJobConfig",
+    "TorchtitanMoE",
+    "TorchtitanMoEArgs",
     "apply_ac",
     "build_cross_entropy_loss",
     "build_lr_schedulers",

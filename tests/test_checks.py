@@ -316,6 +316,8 @@ def test_tokens_per_destination_ep_rank_and_dead_experts():
     assert metrics["moe/ep_load_max_over_mean"] == 4.0
     assert any("MoE layer 0: 6 of 8 experts got no tokens" in w for w in warnings)
     assert any("MoE layer 0: EP rank 0 receives 4.00x" in w and "[1048576, 0, 0, 0]" in w for w in warnings)
+    metrics, warnings = mon.TrainingMonitor(freq=5, ep=4).check(4, 2.0, 1.0, loads=collapsed)
+    assert metrics["moe/ep_load_max_over_mean"] == 4.0 and warnings == []  # warned on monitor steps only
     metrics, warnings = mon.TrainingMonitor(freq=5, ep=4).check(5, 2.0, 1.0, loads=torch.full((2, 8), 100))
     assert metrics["moe/ep_load_max_over_mean"] == 1.0 and warnings == []
 

@@ -1,9 +1,10 @@
 """Training-health monitors: what the step line shows and warns about while training runs.
 
     every logged step (free: the values are already on the host)
-        loss and grad norm vs their EMA -> spikes
-        tokens_per_expert [L, E] (reduced by moe/balance.py) -> dead experts,
-            tokens per destination EP rank [L, ep] -> busiest EP rank / mean
+        loss and grad norm vs their EMA -> spikes (warned at once: a spike is an event)
+        tokens_per_expert [L, E] (reduced by moe/balance.py) -> dead experts, tokens per
+            destination EP rank [L, ep] -> busiest EP rank / mean (warned on monitor steps:
+            a state, which would repeat on every line)
     every [checks] monitor_freq steps (one small all-gather, issued by the trainer)
         each rank's share of the loss and local gradient norm [W, 2] -> NaN/inf with the
             ranks that produced them, spread of per-rank grad norms (max / min)
@@ -145,8 +146,9 @@ class TrainingMonitor:
 
     def _loads(self, step: int, loads: torch.Tensor, metrics: dict) -> list[str]:
         warnings = []
+        warn = self.is_monitor_step(step)
         dead = (loads == 0).sum(dim=1)
-        for layer in torch.nonzero(dead).flatten().tolist():
+        for layer in torch.nonzero(dead).flatten().tolist() if warn else []:
             warnings.append(f"step {step}: MoE layer {layer}: {int(dead[layer])} of {loads.shape[1]} experts "
                             f"got no tokens (dead experts)")
         if self.ep > 1:
@@ -154,7 +156,7 @@ class TrainingMonitor:
             over = ranks.max(dim=1).values / ranks.mean(dim=1).clamp_min(1e-12)
             worst = int(over.argmax())
             metrics["moe/ep_load_max_over_mean"] = float(over[worst])
-            if over[worst] > MAX_EP_LOAD_OVER_MEAN:
+            if warn and over[worst] > MAX_EP_LOAD_OVER_MEAN:
                 warnings.append(
                     f"step {step}: MoE layer {worst}: EP rank {int(ranks[worst].argmax())} receives "
                     f"{float(over[worst]):.2f}x the mean tokens per EP rank (warn above {MAX_EP_LOAD_OVER_MEAN:g}x); "

@@ -1,11 +1,14 @@
 """The step line and the per-step record: torchtitan's metrics plus what MoE training needs.
 
     step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  mfu: 0.00%
-          | moe aux: 1.003  load max/mean: 1.21  cv: 0.09  dead: 0
+          | moe aux: 1.003  load max/mean: 1.21  cv: 0.09  dead: 0  ep max/mean: 1.04
+          | ranks grad max/min: 1.3          (monitor steps only)
 
 Rank 0 also appends every logged step to `<dump_folder>/metrics.jsonl` (full precision),
 which the parity harness and the tests read. The MoE numbers come from the statistics the
 balancing hook already reduced over all ranks (moe/balance.py): logging adds no collective.
+The training-health monitors (checks/monitors.py) add their metrics and warning lines; the
+per-rank values they need are gathered by the trainer on monitor steps (`rank_stats`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchtitan_moe.checks.monitors import TrainingMonitor
 from torchtitan_moe.moe.balance import moe_layers
 from torchtitan_moe.torchtitan_compat import MetricsProcessor, logger
 
@@ -39,16 +43,29 @@ class MoEMetricsProcessor(MetricsProcessor):
         if torch.distributed.get_rank() == 0:
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
             self.jsonl_path = os.path.join(job_config.job.dump_folder, "metrics.jsonl")
+        self.monitor = TrainingMonitor(job_config.checks.monitor_freq, parallel_dims.ep)
+        # [W, 2] per-rank (loss share, local grad norm), set by the trainer on monitor steps.
+        self.rank_stats: torch.Tensor | None = None
+        self.last_logged_step: int | None = None  # monitor steps make the log interval uneven
 
-    def moe_metrics(self) -> dict[str, Any]:
+    def should_log(self, step: int) -> bool:
+        # Monitor steps are always logged, so their per-rank numbers reach the step line.
+        return super().should_log(step) or self.monitor.is_monitor_step(step)
+
+    def step_loads(self) -> torch.Tensor | None:
+        """[L, E] tokens per expert of the last step over all ranks, or None before any step."""
         layers = moe_layers(self.model_parts or [])
         if not layers or layers[0].last_tokens_per_expert is None:
+            return None
+        return torch.stack([layer.last_tokens_per_expert for layer in layers]).cpu()
+
+    def moe_metrics(self, loads: torch.Tensor | None) -> dict[str, Any]:
+        if loads is None:
             return {}
-        loads = torch.stack([layer.last_tokens_per_expert for layer in layers]).cpu()
-        aux = [layer.last_aux_loss for layer in layers]
-        metrics: dict[str, Any] = {"moe/tokens_per_expert": loads.tolist(), **{f"moe/{k}": v for k, v in load_stats(loads).items()}}
+        layers = moe_layers(self.model_parts or [])
+        metrics: dict[str, Any] = {f"moe/{k}": v for k, v in load_stats(loads).items()}
         if any(layer.router.aux_loss_coeff > 0 for layer in layers):
-            metrics["moe/aux_loss"] = float(torch.stack(aux).mean())
+            metrics["moe/aux_loss"] = float(torch.stack([layer.last_aux_loss for layer in layers]).mean())
         return metrics
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
@@ -57,6 +74,9 @@ class MoEMetricsProcessor(MetricsProcessor):
         tps = self.ntokens_since_last_log / (elapsed * self.parallel_dims.non_data_parallel_size)
         tflops = self.num_flops_per_token * tps / 1e12
         mem = self.device_memory_monitor.get_peak_stats()
+        loads = self.step_loads()
+        health, warnings = self.monitor.check(step, global_avg_loss, grad_norm, loads, self.rank_stats)
+        rank_stats, self.rank_stats = self.rank_stats, None
         metrics: dict[str, Any] = {
             "loss_metrics/global_avg_loss": global_avg_loss,
             "loss_metrics/global_max_loss": global_max_loss,
@@ -64,14 +84,14 @@ class MoEMetricsProcessor(MetricsProcessor):
             "throughput(tps)": tps,
             "tflops": tflops,
             "mfu(%)": 100 * tflops * 1e12 / self.gpu_peak_flops,
-            "time_metrics/end_to_end(s)": elapsed / self.job_config.metrics.log_freq,
+            "time_metrics/end_to_end(s)": elapsed / (step - self.last_logged_step if self.last_logged_step else 1),
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_active(GiB)": mem.max_active_gib,
             **(extra_metrics or {}),
-            **self.moe_metrics(),
+            **self.moe_metrics(loads),
+            **health,
         }
-        loads = metrics.pop("moe/tokens_per_expert", None)
-        self.logger.log(metrics, step)
+        self.logger.log(metrics, step)  # TensorBoard / W&B: scalars only
 
         c = self.color
         line = (
@@ -87,13 +107,25 @@ class MoEMetricsProcessor(MetricsProcessor):
                 f"  load max/mean: {metrics['moe/load_max_over_mean']:.2f}  cv: {metrics['moe/load_cv']:.3f}"
                 f"  dead: {metrics['moe/dead_experts']}"
             )
+            if "moe/ep_load_max_over_mean" in metrics:
+                line += f"  ep max/mean: {metrics['moe/ep_load_max_over_mean']:.2f}"
+        if "health/grad_norm_rank_max_over_min" in metrics:
+            line += f"  | ranks grad max/min: {metrics['health/grad_norm_rank_max_over_min']:.3g}"
         logger.info(line)
+        for warning in warnings:
+            logger.warning(warning)
 
         if self.jsonl_path:
-            record = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, **metrics, "moe/tokens_per_expert": loads}
+            record = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, **metrics}
+            if loads is not None:
+                record["moe/tokens_per_expert"] = loads.tolist()
+            if rank_stats is not None:
+                record["health/rank_loss_share"] = rank_stats[:, 0].tolist()  # sums to the loss
+                record["health/rank_grad_norm"] = rank_stats[:, 1].tolist()
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
+        self.last_logged_step = step
         self.ntokens_since_last_log = 0
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()

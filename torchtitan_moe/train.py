@@ -1,32 +1,102 @@
 """Train: `python -m torchtitan_moe.train --job.config_file FILE [--section.key value ...]`.
 
 Runs under torchrun or as one process. torchtitan's Trainer does the work; `MoETrainer`
-adds what MoE training needs: the aux-loss weight per micro-batch and MoE statistics on
+adds what MoE training needs: the aux-loss weight per micro-batch, the router-init checks
+before step 1, the per-rank numbers of the training-health monitors, and MoE statistics on
 the step line. On a machine without CUDA it trains on the CPU over gloo.
 """
 
 from __future__ import annotations
 
+import netrc
 import os
 import socket
 import sys
 
 import torch
 
+from torchtitan_moe.checks import run_router_init_checks
+from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.config_loader import load_job_config
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.torchtitan_compat import Trainer, check_torchtitan_version, enable_cpu_training, init_logger, logger
 
 
+class RouterInitError(RuntimeError):
+    """The router-init checks failed (`[checks] router_init = "error"`); the findings are logged."""
+
+
+def wandb_offline_without_key(job_config) -> None:
+    """W&B without an API key would stop to ask for one: log offline instead (`wandb sync`
+    uploads later). Must run before torchtitan builds its loggers, in Trainer.__init__."""
+    if not job_config.metrics.enable_wandb or "WANDB_MODE" in os.environ or os.environ.get("WANDB_API_KEY"):
+        return
+    try:  # `wandb login` keeps the key in ~/.netrc
+        if netrc.netrc().authenticators("api.wandb.ai"):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    os.environ["WANDB_MODE"] = "offline"
+    logger.info("W&B: no API key found, logging offline (WANDB_MODE=offline)")
+
+
 class MoETrainer(Trainer):
     def __init__(self, job_config):
+        wandb_offline_without_key(job_config)
         super().__init__(job_config)
         # Each micro-batch's aux loss counts 1 / (micro-batches x data-parallel ranks) so the
         # summed gradients are those of the mean over the global batch, like the main loss.
         dims = self.parallel_dims
         batch_degree = dims.get_mesh("batch").size() if dims.dp_enabled else 1
         MoE.aux_loss_scale = 1.0 / (self.gradient_accumulation_steps * batch_degree)
+        self._local_losses: list[torch.Tensor] = []
+
+    def batch_generator(self, data_iterable):
+        # torchtitan's train() calls this once, right after it loads the checkpoint and right
+        # before step 1: the only point where the weights training starts from are in place
+        # without copying train(). The checks must see them (a zero-init run fails, a resumed
+        # healthy run passes), so they run here.
+        self.check_router_init()
+        return super().batch_generator(data_iterable)
+
+    def check_router_init(self) -> None:
+        mode = self.job_config.checks.router_init
+        if mode == "off":
+            return
+        # At step 0 the gate is its init, so its std is compared with [router] init_std;
+        # a resumed run's gate has trained away from it and gets the other checks only.
+        with self.maybe_enable_amp:
+            findings = run_router_init_checks(self.model_parts, self.job_config, self.parallel_dims,
+                                              self.device, fresh=self.step == 0)
+        if not findings:
+            logger.info("router-init checks passed")
+            return
+        # Findings come from global statistics: every rank has the same list; rank 0 logs it.
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            for finding in findings:
+                logger.warning(f"router-init: {finding}")
+        summary = f"router-init checks failed: {len(findings)} findings (see above)"
+        if mode == "error":
+            raise RouterInitError(f'{summary}; set [checks] router_init = "warn" to train anyway')
+        logger.warning(f'{summary}; training anyway ([checks] router_init = "warn")')
+
+    def train_step(self, data_iterator) -> None:
+        self._local_losses = []
+        super().train_step(data_iterator)
+
+    def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
+        loss = super().forward_backward_step(input_dict=input_dict, labels=labels,
+                                             global_valid_tokens=global_valid_tokens)
+        self._local_losses.append(loss.detach())
+        # After the step's last backward and before clipping (which spreads one rank's NaN to
+        # every rank's gradients), record each rank's loss share and gradient norm on monitor
+        # steps: one small all-gather per monitor interval.
+        last = len(self._local_losses) == self.gradient_accumulation_steps
+        if last and self.metrics_processor.monitor.is_monitor_step(self.step):
+            local_loss = torch.stack(self._local_losses).sum()
+            self.metrics_processor.rank_stats = gather_rank_stats(local_loss, local_grad_norm(self.model_parts))
+        return loss
 
 
 def _free_port() -> int:
@@ -80,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    run(config)
+    try:
+        run(config)
+    except RouterInitError as e:
+        print(e, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -136,11 +136,16 @@ def run(config) -> None:
             logger.info("Created seed checkpoint")
         else:
             trainer.train()
-    finally:
+    except BaseException:
         if trainer is not None:
             trainer.close()
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        raise  # no barrier here: a failed peer would never reach it
+    trainer.close()
+    if torch.distributed.is_initialized():
+        # Every rank leaves together: a gloo rank that tears its group down while a peer is
+        # still inside it can abort ("terminate called without an active exception").
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

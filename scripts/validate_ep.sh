@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Expert-parallel validation on one GPU node: bash scripts/validate_ep.sh OUT [WORK]
+#   1. dispatch + combine microbenchmark at EP = 2, 4, 8       -> OUT/dispatch.md, OUT/dispatch.json
+#   2. debug and reduced-depth 30B-A3B training, EP = 2, 4, 8   -> OUT/training.md
+#   3. parity EP = 1 vs 8, reduced 30B-A3B, 200 steps in bf16   -> OUT/parity.md, OUT/parity.png
+#   logs and metrics of every run                               -> OUT/logs.tar.gz
+# Checkpoints and dumps stay in WORK (default /tmp/validate_ep): the seed checkpoint is 22 GB.
+set -uo pipefail
+out=${1:?usage: scripts/validate_ep.sh OUT [WORK]}
+work=${2:-/tmp/validate_ep}
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())")
+mkdir -p "$out" "$work"
+
+"$py" -m torch.distributed.run --standalone --nproc_per_node "$ngpu" kernels/bench_dispatch.py \
+    --json "$out/dispatch.json" 2>&1 | tee "$work/dispatch.log" | grep -E '^\||^dispatch' > "$out/dispatch.md"
+
+echo "| config | EP | steps | first loss | last loss | last grad norm | tokens/s/GPU | memory GiB |" > "$out/training.md"
+echo "|---|---|---|---|---|---|---|---|" >> "$out/training.md"
+for config in debug qwen3_30b_a3b_8l; do
+    for ep in 2 4 8; do
+        run="$work/${config}_ep$ep"
+        NPROC=$ngpu PYTHON=$py timeout 600 bash scripts/train.sh "configs/$config.toml" --job.dump_folder "$run" \
+            --parallelism.expert_parallel_degree "$ep" --dispatch.backend all_to_all --training.steps 20 \
+            --training.mixed_precision_param bfloat16 --metrics.log_freq 1 > "$run.log" 2>&1
+        code=$?
+        "$py" - "$run" "$config" "$ep" "$code" >> "$out/training.md" <<'PY'
+import json, sys
+run, config, ep, code = sys.argv[1:]
+try:
+    r = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
+    last = r[-1]
+    print(f"| {config} | {ep} | {last['step']} | {r[0]['loss']:.4f} | {last['loss']:.4f} | {last['grad_norm']:.4f} "
+          f"| {last['throughput(tps)']:,.0f} | {last['memory/max_reserved(GiB)']:.1f} |")
+except OSError:
+    print(f"| {config} | {ep} | failed (exit {code}, see logs) | | | | | |")
+PY
+    done
+done
+
+"$py" -m torchtitan_moe.parity configs/qwen3_30b_a3b_8l.toml --vary parallelism.expert_parallel_degree=1,8 \
+    --steps 200 --nproc "$ngpu" --loss-rtol 0.01 --grad-rtol 0.05 --out "$work/parity" \
+    -- --training.seq_len 2048 --metrics.log_freq 1 > "$work/parity.log" 2>&1
+echo "parity exit status: $?" >> "$work/parity.log"
+cp "$work/parity/parity.md" "$work/parity/parity.png" "$out/" 2>/dev/null
+
+tar -czf "$out/logs.tar.gz" -C "$work" --exclude='checkpoint' --exclude='*.distcp' .
+cat "$out/dispatch.md" "$out/training.md"
+tail -n 8 "$work/parity.log"

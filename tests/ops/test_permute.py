@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from helpers import random_routing
+
 from torchtitan_moe import ops
 
 BACKENDS = ["triton", "torch"]
@@ -22,13 +24,6 @@ def oracle(experts: torch.Tensor, num_experts: int, align: int, num_rows_alloc: 
         start += sizes[e]
         offsets.append(start)
     return counts, offsets, torch.tensor(inv).view(T, K), row_slot, start
-
-
-def top_k_routing(T: int, K: int, E: int, seed: int, experts_used: int | None = None) -> torch.Tensor:
-    """Each token picks K distinct random experts among the first `experts_used`."""
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.rand(T, experts_used or E, generator=g)
-    return scores.topk(K, dim=1).indices
 
 
 def check(experts, num_experts, align, backend, device, num_slots=None):
@@ -59,15 +54,14 @@ def check(experts, num_experts, align, backend, device, num_slots=None):
     ],
 )
 def test_routing_index(T, K, E, used, align, backend, device, poison_empty):
-    check(top_k_routing(T, K, E, seed=T * 100 + K, experts_used=used), E, align, backend, device)
+    check(random_routing(T, K, E, seed=T * 100 + K, experts_used=used), E, align, backend, device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("align", [1, 16])
 def test_empty_slots(align, backend, device, poison_empty):
     """-1 slots (a dispatcher's tokens that visit fewer than K experts here) get no row."""
-    experts = top_k_routing(90, 4, 10, seed=7)
-    experts[torch.rand(90, 4, generator=torch.Generator().manual_seed(8)) < 0.4] = -1
+    experts = random_routing(90, 4, 10, seed=7, empty=0.4)
     experts[3] = -1  # a token with no expert at all
     check(experts, 10, align, backend, device)
     check(experts, 10, align, backend, device, num_slots=int((experts >= 0).sum()))
@@ -75,7 +69,7 @@ def test_empty_slots(align, backend, device, poison_empty):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_int32_experts(backend, device):
-    experts = top_k_routing(20, 2, 4, seed=3)
+    experts = random_routing(20, 2, 4, seed=3)
     a = ops.routing_index(experts.int().to(device), 4, backend=backend)
     b = ops.routing_index(experts.to(device), 4, backend=backend)
     assert all(torch.equal(x, y) for x, y in zip(a[:5], b[:5]))
@@ -108,7 +102,7 @@ def test_triton_on_cpu_without_interpreter(monkeypatch):
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("T", [16384, 65536])
 def test_gpu_matches_torch_and_is_deterministic(T, align):
-    experts = top_k_routing(T, 8, 128, seed=T).cuda()
+    experts = random_routing(T, 8, 128, seed=T).cuda()
     experts[:: 97, 3] = -1
     first = ops.routing_index(experts, 128, align, backend="triton")
     again = ops.routing_index(experts, 128, align, backend="triton")

@@ -1,5 +1,6 @@
-"""Error bounds of the op tests, against float64 results computed on the same inputs.
+"""Shared by the op tests: error bounds and random routings.
 
+Bounds hold against float64 results computed from the same inputs:
 - elementwise results: within `ulps` units in the last place of the output dtype at
   the exact value (1 for bf16/fp16: one rounding of an fp32 result);
 - reductions: within sum(|terms|) * REDUCTION_EPS[output dtype] per element, with the
@@ -44,3 +45,11 @@ def assert_sum(name: str, actual: torch.Tensor, exact: torch.Tensor, abs_terms: 
 def elementwise_ulps(dtype: torch.dtype) -> float:
     """1 ulp for 16-bit outputs (one rounding of fp32); a few for fp32 (exp, divide)."""
     return 16 if dtype == torch.float32 else 1
+
+
+def random_routing(T: int, K: int, E: int, seed: int, experts_used: int | None = None, empty: float = 0.0):
+    """experts [T, K]: K distinct random experts per token among the first `experts_used`
+    (all E by default), and a fraction `empty` of the slots set to -1 (no expert)."""
+    g = torch.Generator().manual_seed(seed)
+    experts = torch.rand(T, experts_used or E, generator=g).topk(K, dim=1).indices
+    return torch.where(torch.rand(T, K, generator=g) < empty, -1, experts)

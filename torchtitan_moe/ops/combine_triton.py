@@ -32,7 +32,7 @@ _CONFIGS = autotune_configs(
 
 # The key leaves out the row counts: they change from step to step under expert
 # parallelism, and a retune per step would cost more than it wins.
-@triton.autotune(configs=_CONFIGS, key=["D", "K"])
+@triton.autotune(configs=_CONFIGS, key=["D", "K", "HAS_WEIGHTS", "HAS_DOTS"])
 @triton.jit
 def _gather_kernel(
     src_ptr, row_slot_ptr, weights_ptr, dot_src_ptr, out_ptr, dots_ptr, N, D: tl.constexpr, K: tl.constexpr,
@@ -62,7 +62,7 @@ def _gather_kernel(
         tl.store(dots_ptr + slot, dot.to(dots_ptr.dtype.element_ty), mask=has_slot)
 
 
-@triton.autotune(configs=_CONFIGS, key=["D", "K"])
+@triton.autotune(configs=_CONFIGS, key=["D", "K", "HAS_WEIGHTS"])
 @triton.jit
 def _combine_kernel(
     src_ptr, inv_ptr, weights_ptr, out_ptr, T, D: tl.constexpr, K: tl.constexpr,

@@ -1,0 +1,198 @@
+"""gather_rows and combine, forward and backward, both backends, against float64.
+
+Rows that hold no slot (pad and tail rows) are NaN in every input that has them
+(y, and the gradient of xs), as torch._grouped_mm can leave them: no NaN may come out.
+"""
+
+import pytest
+import torch
+from helpers import assert_sum, assert_ulp, elementwise_ulps, random_routing
+
+from torchtitan_moe import ops
+
+BACKENDS = ["triton", "torch"]
+F64 = torch.float64
+
+# (T, K, E, align, experts_used, empty): D = 72 throughout, no block multiple
+CASES = {
+    "plain": (37, 4, 8, 1, None, 0.0),
+    "aligned": (37, 4, 8, 16, None, 0.0),
+    "zero_token_experts": (40, 2, 12, 8, 3, 0.0),
+    "one_expert_k1": (30, 1, 5, 32, 1, 0.0),
+    "empty_slots": (45, 4, 10, 16, None, 0.3),
+}
+D = 72
+
+
+def make_index(case: str, device: str):
+    T, K, E, align, used, empty = CASES[case]
+    experts = random_routing(T, K, E, seed=len(case), experts_used=used, empty=empty)
+    return ops.routing_index(experts.to(device), E, align, backend="torch")
+
+
+def randn(*shape, dtype, device, seed):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=F64).to(dtype).to(device)
+
+
+def poison_rows_without_slot(t: torch.Tensor, index) -> torch.Tensor:
+    return t.masked_fill((index.row_slot < 0)[:, None], float("nan"))
+
+
+def gather_exact(x: torch.Tensor, index, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 [N, D]: row r = w[s] * x[s // K] for s = row_slot[r] >= 0, else 0."""
+    x, w = x.detach().cpu().double(), None if weights is None else weights.detach().flatten().tolist()
+    out = torch.zeros(index.row_slot.shape[0], x.shape[1], dtype=F64)
+    for r, s in enumerate(index.row_slot.tolist()):
+        if s >= 0:
+            out[r] = x[s // index.top_k] * (1.0 if w is None else w[s])
+    return out
+
+
+def combine_exact(y: torch.Tensor, index, weights: torch.Tensor | None = None):
+    """float64 (out [T, D], sum of |terms| [T, D]): out[t] = sum_k w[t, k] * y[inv[t, k]]."""
+    y, w = y.detach().cpu().double(), None if weights is None else weights.detach().tolist()
+    out, abs_terms = torch.zeros(2, index.inv.shape[0], y.shape[1], dtype=F64)
+    for t, rows in enumerate(index.inv.tolist()):
+        for k, r in enumerate(rows):
+            if r >= 0:
+                term = y[r] * (1.0 if w is None else w[t][k])
+                out[t] += term
+                abs_terms[t] += term.abs()
+    return out, abs_terms
+
+
+def dprobs_exact(dout: torch.Tensor, y: torch.Tensor, index):
+    """float64 (dprobs [T, K], sum of |terms| [T, K]): dprobs[t, k] = <dout[t], y[inv[t, k]]>."""
+    dout, y = dout.cpu().double(), y.detach().cpu().double()
+    dprobs, abs_terms = torch.zeros(2, *index.inv.shape, dtype=F64)
+    for t, rows in enumerate(index.inv.tolist()):
+        for k, r in enumerate(rows):
+            if r >= 0:
+                dprobs[t, k] = (dout[t] * y[r]).sum()
+                abs_terms[t, k] = (dout[t] * y[r]).abs().sum()
+    return dprobs, abs_terms
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+def test_gather_rows(case, dtype, backend, device, poison_empty):
+    index = make_index(case, device)
+    T, N = index.inv.shape[0], index.row_slot.shape[0]
+    x = randn(T, D, dtype=dtype, device=device, seed=1).requires_grad_()
+    xs = ops.gather_rows(x, index, backend=backend)
+    assert xs.dtype == dtype and torch.equal(xs.cpu().double(), gather_exact(x, index))  # a copy: exact
+
+    dxs = poison_rows_without_slot(randn(N, D, dtype=dtype, device=device, seed=2), index)
+    (dx,) = torch.autograd.grad(xs, x, dxs)
+    assert_sum("dx", dx.cpu(), *combine_exact(dxs, index))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("case", CASES)
+def test_combine(case, dtype, weighted, backend, device, poison_empty):
+    index = make_index(case, device)
+    (T, K), N = index.inv.shape, index.row_slot.shape[0]
+    y = poison_rows_without_slot(randn(N, D, dtype=dtype, device=device, seed=3), index).requires_grad_()
+    probs = torch.rand(T, K, generator=torch.Generator().manual_seed(4)).to(device).requires_grad_() if weighted else None
+    out = ops.combine(y, index, probs, backend=backend)
+    exact, abs_terms = combine_exact(y, index, probs)
+    assert out.dtype == dtype
+    if K == 1:  # one term per token: a product, rounded once
+        assert_ulp("out", out.cpu(), exact, elementwise_ulps(dtype))
+    else:
+        assert_sum("out", out.cpu(), exact, abs_terms)
+
+    dout = randn(T, D, dtype=dtype, device=device, seed=5)
+    grads = torch.autograd.grad(out, (y, probs) if weighted else (y,), dout)
+    assert_ulp("dy", grads[0].cpu(), gather_exact(dout, index, probs), elementwise_ulps(dtype))
+    if weighted:
+        assert grads[1].dtype == torch.float32
+        assert_sum("dprobs", grads[1].cpu(), *dprobs_exact(dout, y, index))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradcheck(backend, device):
+    """float64 end to end (the Triton kernels compute in fp64 for fp64 data): the backward
+    of each op is the true adjoint of its forward, pad rows and -1 slots included."""
+    experts = random_routing(6, 2, 3, seed=9)
+    experts[1, 0] = -1
+    index = ops.routing_index(experts.to(device), 3, 8, backend="torch")
+    x = randn(6, 5, dtype=F64, device=device, seed=10).requires_grad_()
+    y = randn(index.row_slot.shape[0], 5, dtype=F64, device=device, seed=11).requires_grad_()
+    probs = torch.rand(6, 2, dtype=F64, device=device).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x: ops.gather_rows(x, index, backend=backend), (x,))
+    assert torch.autograd.gradcheck(lambda y: ops.combine(y, index, backend=backend), (y,))
+    assert torch.autograd.gradcheck(lambda y, p: ops.combine(y, index, p, backend=backend), (y, probs))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_index_and_trimmed_rows(backend, device):
+    """A dispatcher may pass its own index: int32 fields, and row_slot cut to the rows that exist."""
+    index = make_index("plain", device)
+    small = index._replace(inv=index.inv.int(), row_slot=index.row_slot[: int(index.num_rows)].int())
+    x = randn(37, D, dtype=torch.bfloat16, device=device, seed=12)
+    assert torch.equal(ops.gather_rows(x, small, backend=backend), ops.gather_rows(x, index, backend=backend))
+    y = randn(int(index.num_rows), D, dtype=torch.bfloat16, device=device, seed=13)
+    assert torch.equal(ops.combine(y, small, backend=backend), ops.combine(y, index, backend=backend))
+
+
+def test_bad_arguments(device):
+    index = make_index("plain", device)
+    x = torch.zeros(37, D, device=device)
+    with pytest.raises(ValueError, match="x must be a 2-D float"):
+        ops.gather_rows(x.long(), index)
+    with pytest.raises(ValueError, match="index.inv has 37 tokens"):
+        ops.gather_rows(x[:5], index)
+    with pytest.raises(ValueError, match="index.row_slot has"):
+        ops.combine(x, index)
+    y = torch.zeros(index.row_slot.shape[0], D, device=device)
+    with pytest.raises(ValueError, match="probs must be float32"):
+        ops.combine(y, index, torch.ones(37, 3, device=device))
+    with pytest.raises(ValueError, match="backend"):
+        ops.combine(y, index, backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weighted", [False, True])
+def test_gpu_real_size(weighted):
+    """Qwen3-30B-A3B shapes: triton runs are bitwise identical, and triton and torch are
+    both within the bounds of the float64 result."""
+    T, K, E, D_ = 16384, 8, 128, 2048
+    index = ops.routing_index(random_routing(T, K, E, seed=14).cuda(), E, 16, backend="triton")
+    N = index.row_slot.shape[0]
+    x = randn(T, D_, dtype=torch.bfloat16, device="cuda", seed=15).requires_grad_()
+    y = poison_rows_without_slot(randn(N, D_, dtype=torch.bfloat16, device="cuda", seed=16), index).requires_grad_()
+    probs = torch.rand(T, K, device="cuda").requires_grad_() if weighted else None
+    dxs = poison_rows_without_slot(randn(N, D_, dtype=torch.bfloat16, device="cuda", seed=17), index)
+    dout = randn(T, D_, dtype=torch.bfloat16, device="cuda", seed=18)
+    inputs = (y, probs) if weighted else (y,)
+
+    def run(backend):
+        xs = ops.gather_rows(x, index, backend=backend)
+        out = ops.combine(y, index, probs, backend=backend)
+        return (xs, *torch.autograd.grad(xs, x, dxs), out, *torch.autograd.grad(out, inputs, dout))
+
+    first, again, torch_ = run("triton"), run("triton"), run("torch")
+    assert all(torch.equal(a, b) for a, b in zip(first, again)), "two triton runs differ"
+
+    # float64 results and sum(|terms|) from the reference on float64 (checked against the oracles above)
+    x64, y64, dxs64, dout64 = (t.detach().double() for t in (x, y, dxs, dout))
+    p64 = None if probs is None else probs.detach().double().requires_grad_()
+    y64.requires_grad_()
+    out64 = ops.combine_reference(y64, index, p64)
+    grads64 = torch.autograd.grad(out64, (y64, p64) if weighted else (y64,), dout64)
+    abs_p = None if probs is None else p64.detach().abs().requires_grad_()
+    abs_y = y64.detach().abs().requires_grad_()
+    abs_out = ops.combine_reference(abs_y, index, abs_p)
+    for got in (first, torch_):
+        xs, dx, out, dy = got[:4]
+        assert torch.equal(xs.double(), ops.gather_rows_reference(x64, index))
+        assert_sum("dx", dx, ops.combine_reference(dxs64, index), ops.combine_reference(dxs64.abs(), index))
+        assert_sum("out", out, out64, abs_out)
+        assert_ulp("dy", dy, grads64[0])
+        if weighted:
+            (abs_dprobs,) = torch.autograd.grad(abs_out, abs_p, dout64.abs())
+            assert_sum("dprobs", got[4], grads64[1], abs_dprobs)

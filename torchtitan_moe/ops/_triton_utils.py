@@ -1,0 +1,47 @@
+"""Helpers shared by the Triton kernels: rounding, compute dtype, autotune configs.
+
+The kernels run compiled on a GPU and, in CI, under the Triton interpreter
+(TRITON_INTERPRET=1, read when the kernel modules are imported, as @triton.jit does).
+Three interpreter differences shape every kernel:
+
+- it casts fp32 -> bf16 by truncation where the GPU rounds to nearest even: every
+  result is stored through `round_to`, which rounds the same way on both;
+- its autotuner fails with several configs: `autotune_configs` gives it one;
+- with numpy >= 2.4 it cannot loop to a runtime bound (`range(0, n, B)` with n a kernel
+  argument): loop bounds are constexpr instead (widths and top_k are fixed in a model).
+
+Kernels load, convert to the compute dtype (fp32; fp64 for fp64 tensors so that
+gradcheck can check the kernels themselves), compute, and round once at the store.
+No tl.dot, no atomics: every output element is written by exactly one program.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = tl.constexpr(INTERPRET)  # jit code may only read constexpr globals
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """Convert fp32/fp64 `x` to `dtype`, rounding to nearest even."""
+    if _INTERPRET and dtype == tl.bfloat16:
+        # bf16 is the top half of fp32: add half an ulp (ties to even), drop the low half.
+        x = x.to(tl.float32)
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(dtype)  # NaN stays NaN
+    return x.to(dtype)
+
+
+def compute_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Arithmetic dtype for `dtype` data: fp32, or fp64 for fp64 data (gradcheck)."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def autotune_configs(configs: list[triton.Config], interpreter: triton.Config) -> list[triton.Config]:
+    """`configs` on the GPU; `interpreter` alone under the interpreter."""
+    return [interpreter] if INTERPRET else configs

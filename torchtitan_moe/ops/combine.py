@@ -1,0 +1,110 @@
+"""gather_rows and combine: move token rows into and out of the expert-major layout.
+
+    gather_rows(x [T, D], index)              -> xs  [N, D]  xs[r] = x[row_slot[r] // K]
+    combine(y [N, D], index, probs [T, K]?)   -> out [T, D]  out[t] = sum_k w[t, k] * y[inv[t, k]]
+
+w = probs, or 1 without probs (the weighted form is for dispatchers that apply the router
+probability after the experts). The two ops are adjoint: gather_rows' backward is an
+unweighted combine and combine's backward a (weighted) gather, so the Triton backend has
+two gather-based kernels: each output row is owned by one program, no atomics, the same
+bits on every run. Sums over k accumulate in fp32 in k order.
+
+`index` is a RoutingIndex, or anything with its fields inv [T, K], row_slot [N] (int32 or
+int64) and top_k. Pad rows (row_slot = -1) and tail rows (r >= num_rows, garbage from
+torch._grouped_mm) are never read: only rows named by inv are. Rows of xs and of combine's
+input gradient that hold no slot are written as zeros. Slots with inv = -1 add nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._backend import use_triton
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_index(index, device: torch.device, num_tokens: int | None = None, num_rows: int | None = None) -> None:
+    inv, row_slot = index.inv, index.row_slot
+    if inv.dim() != 2 or inv.dtype not in INDEX_DTYPES:
+        raise ValueError(f"index.inv must be a 2-D int32/int64 tensor, got {tuple(inv.shape)} {inv.dtype}")
+    if row_slot.dim() != 1 or row_slot.dtype not in INDEX_DTYPES:
+        raise ValueError(f"index.row_slot must be a 1-D int32/int64 tensor, got {tuple(row_slot.shape)} {row_slot.dtype}")
+    if inv.shape[1] != index.top_k:
+        raise ValueError(f"index.inv must have top_k = {index.top_k} columns, got {inv.shape[1]}")
+    if num_tokens is not None and inv.shape[0] != num_tokens:
+        raise ValueError(f"index.inv has {inv.shape[0]} tokens, the data has {num_tokens}")
+    if num_rows is not None and row_slot.shape[0] != num_rows:
+        raise ValueError(f"index.row_slot has {row_slot.shape[0]} rows, the data has {num_rows}")
+    for name, t in (("index.inv", inv), ("index.row_slot", row_slot)):
+        if t.device != device:
+            raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _check_data(name: str, t: torch.Tensor) -> None:
+    if t.dim() != 2 or t.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be a 2-D float tensor, got {tuple(t.shape)} {t.dtype}")
+
+
+def _check_probs(probs: torch.Tensor, inv: torch.Tensor) -> None:
+    if probs.shape != inv.shape or probs.dtype not in (torch.float32, torch.float64):
+        raise ValueError(
+            f"probs must be float32 (or float64) of shape {tuple(inv.shape)}, got {tuple(probs.shape)} {probs.dtype}"
+        )
+    if probs.device != inv.device:
+        raise ValueError(f"probs must be on {inv.device}, got {probs.device}")
+
+
+def _upcast(t: torch.Tensor) -> torch.Tensor:
+    """fp32 for arithmetic; fp64 stays fp64 (gradcheck)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+# --------------------------------------------------------------------------- references
+
+
+def gather_rows_reference(x: torch.Tensor, index) -> torch.Tensor:
+    """Plain torch. The gather runs in fp32 so that autograd's backward sums dx in fp32."""
+    slot = index.row_slot.long()
+    token = slot.clamp_min(0) // index.top_k
+    return torch.where((slot >= 0)[:, None], _upcast(x)[token], 0.0).to(x.dtype)
+
+
+def combine_reference(y: torch.Tensor, index, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch, summed in fp32 in k order. torch.where selects (never multiplies) the
+    rows, so a slot without a row adds an exact 0 even if the row it points at is NaN."""
+    inv = index.inv.long()
+    out = torch.zeros(inv.shape[0], y.shape[1], dtype=_upcast(y).dtype, device=y.device)
+    for k in range(inv.shape[1]):
+        has_row = (inv[:, k] >= 0)[:, None]
+        rows = torch.where(has_row, _upcast(y[inv[:, k].clamp_min(0)]), 0.0)
+        out = out + (rows if probs is None else rows * probs[:, k, None])
+    return out.to(y.dtype)
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def gather_rows(x: torch.Tensor, index, *, backend: str = "triton") -> torch.Tensor:
+    """xs [N, D]: the token rows of x [T, D] in expert-major order; zeros for pad and tail rows."""
+    _check_data("x", x)
+    _check_index(index, x.device, num_tokens=x.shape[0])
+    if not use_triton(backend, x):
+        return gather_rows_reference(x, index)
+    from .combine_triton import GatherRows  # here: backend="torch" must work without Triton
+
+    return GatherRows.apply(x, index.row_slot, index.inv)
+
+
+def combine(y: torch.Tensor, index, probs: torch.Tensor | None = None, *, backend: str = "triton") -> torch.Tensor:
+    """out [T, D] in y.dtype: sum over k of (probs[t, k] or 1) * y[inv[t, k]], fp32 accumulation."""
+    _check_data("y", y)
+    _check_index(index, y.device, num_rows=y.shape[0])
+    if probs is not None:
+        _check_probs(probs, index.inv)
+    if not use_triton(backend, y):
+        return combine_reference(y, index, probs)
+    from .combine_triton import Combine  # here: backend="torch" must work without Triton
+
+    return Combine.apply(y, probs, index.inv, index.row_slot)

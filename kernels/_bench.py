@@ -100,7 +100,7 @@ class Bench:
         print(f"\n{self.op} on {torch.cuda.get_device_name()} | torch {torch.__version__}, triton {triton.__version__}")
         print(f"ceilings: copy {c['copy_GBps']:.0f} GB/s (read + write), bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
         print("x eager / x compile: the baseline's time over this row's (> 1: this row is faster)\n")
-        cols = [("case", "{}", 24), ("pass", "{}", 8), ("impl", "{}", 7), ("us", "{:.1f}", 9), ("MB", "{:.1f}", 8),
+        cols = [("case", "{}", 34), ("pass", "{}", 8), ("impl", "{}", 7), ("us", "{:.1f}", 10), ("MB", "{:.1f}", 8),
                 ("GBps", "{:.0f}", 6), ("pct_copy", "{:.1f}", 8), ("x_eager", "{:.2f}", 7), ("x_compile", "{:.2f}", 9)]
         header = " ".join(f"{name:>{w}}" if i > 2 else f"{name:<{w}}" for i, (name, _, w) in enumerate(cols))
         print(header + "  note\n" + "-" * len(header))

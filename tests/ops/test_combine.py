@@ -6,7 +6,7 @@ Rows that hold no slot (pad and tail rows) are NaN in every input that has them
 
 import pytest
 import torch
-from helpers import assert_sum, assert_ulp, elementwise_ulps, random_routing
+from ops_helpers import assert_sum, assert_ulp, elementwise_ulps, random_routing
 
 from torchtitan_moe import ops
 

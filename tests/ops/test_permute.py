@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import random_routing
+from ops_helpers import random_routing
 
 from torchtitan_moe import ops
 

@@ -6,7 +6,7 @@ no NaN may come out, and those rows of h and dab must be zeros.
 
 import pytest
 import torch
-from helpers import assert_sum, assert_ulp, elementwise_ulps
+from ops_helpers import assert_sum, assert_ulp, elementwise_ulps
 
 from torchtitan_moe import ops
 

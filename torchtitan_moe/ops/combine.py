@@ -58,7 +58,11 @@ def _check_probs(probs: torch.Tensor, inv: torch.Tensor) -> None:
 
 def _upcast(t: torch.Tensor) -> torch.Tensor:
     """fp32 for arithmetic; fp64 stays fp64 (gradcheck)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t.to(_compute_dtype(t.dtype))
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
 
 
 # --------------------------------------------------------------------------- references
@@ -75,7 +79,7 @@ def combine_reference(y: torch.Tensor, index, probs: torch.Tensor | None = None)
     """Plain torch, summed in fp32 in k order. torch.where selects (never multiplies) the
     rows, so a slot without a row adds an exact 0 even if the row it points at is NaN."""
     inv = index.inv.long()
-    out = torch.zeros(inv.shape[0], y.shape[1], dtype=_upcast(y).dtype, device=y.device)
+    out = torch.zeros(inv.shape[0], y.shape[1], dtype=_compute_dtype(y.dtype), device=y.device)
     for k in range(inv.shape[1]):
         has_row = (inv[:, k] >= 0)[:, None]
         rows = torch.where(has_row, _upcast(y[inv[:, k].clamp_min(0)]), 0.0)

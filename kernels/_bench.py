@@ -17,7 +17,12 @@ import json
 import platform
 
 import torch
+import torch._functorch.config
 import triton
+
+# The backward of a compiled baseline is timed on one kept graph (retain_graph=True), which
+# compiled graphs that donate their buffers refuse.
+torch._functorch.config.donated_buffer = False
 
 
 def parse_args(doc: str) -> argparse.Namespace:

@@ -40,7 +40,8 @@ def ours(kernels: str, balanced: bool) -> MoE:
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding="auto", kernels=kernels,
                         force_balance=balanced, bias_update_rate=0.0), DIM)
     layer.to("cuda")
-    layer.init_weights(out_std=0.02 / 2**0.5, buffer_device=torch.device("cuda"))
+    with torch.no_grad():
+        layer.init_weights(out_std=0.02 / 2**0.5, buffer_device=torch.device("cuda"))
     return layer.to(torch.bfloat16)
 
 
@@ -49,7 +50,8 @@ def torchtitan(balanced: bool):
                              route_norm=True, route_scale=1.0, score_before_experts=False, load_balance_coeff=None,
                              _debug_force_load_balance=balanced)
     layer = TorchtitanMoE(args, dim=DIM, hidden_dim=INTER).to("cuda")
-    layer.init_weights(0.02 / 2**0.5, torch.device("cuda"))
+    with torch.no_grad():  # as torchtitan's Trainer calls it
+        layer.init_weights(0.02 / 2**0.5, torch.device("cuda"))
     return layer.to(torch.bfloat16)
 
 

@@ -1,22 +1,24 @@
 """Triton kernels of gather_rows and combine, and their autograd functions.
 
-    _gather_kernel   out [N, D]: out[r] = w[s] * src[s // K] for s = row_slot[r] >= 0, else 0;
-                     optionally dots[s] = <src[s // K], dot_src[r]> on the way (dprobs)
+    _gather_kernel   out [N, D]: out[inv[t, k]] = w[t, k] * src[t], pushed from each token row;
+                     optionally dots[t, k] = <src[t], dot_src[inv[t, k]]> on the way (dprobs)
+                     (+ _zero_unowned_rows_kernel: zeros in the pad and tail rows)
     _combine_kernel  out [T, D]: out[t] = sum_k w[t, k] * src[inv[t, k]] over inv >= 0
 
                  forward                          backward
     gather_rows  _gather_kernel (w = 1)           _combine_kernel (w = 1)
     combine      _combine_kernel (w = probs?)     _gather_kernel (w = probs?, dots = dprobs)
 
-One program owns BLOCK_R whole output rows and walks D in BLOCK_D steps, so a row's dot
-product (dprobs) is reduced inside one program, in a fixed order, without atomics.
+One program owns BLOCK_R whole tokens and walks D in BLOCK_D steps: every output row has
+one writer, and a slot's dot product (dprobs) is reduced inside one program, in a fixed
+order, without atomics.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import autotune_configs, compute_dtype, round_to
+from ._triton_utils import INTERPRET, autotune_configs, compute_dtype, round_to
 
 _CONFIGS = autotune_configs(
     [
@@ -30,36 +32,51 @@ _CONFIGS = autotune_configs(
 )
 
 
-# The key leaves out the row counts: they change from step to step under expert
+# The keys leave out the row counts: they change from step to step under expert
 # parallelism, and a retune per step would cost more than it wins.
 @triton.autotune(configs=_CONFIGS, key=["D", "K", "HAS_WEIGHTS", "HAS_DOTS"])
 @triton.jit
 def _gather_kernel(
-    src_ptr, row_slot_ptr, weights_ptr, dot_src_ptr, out_ptr, dots_ptr, N, D: tl.constexpr, K: tl.constexpr,
-    HAS_WEIGHTS: tl.constexpr, HAS_DOTS: tl.constexpr, COMPUTE: tl.constexpr,
+    src_ptr, inv_ptr, weights_ptr, dot_src_ptr, out_ptr, dots_ptr, T, D: tl.constexpr, K: tl.constexpr,
+    KP: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_DOTS: tl.constexpr, COMPUTE: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    in_bounds = rows < N
-    slot = tl.load(row_slot_ptr + rows, mask=in_bounds, other=-1).to(tl.int64)
-    has_slot = slot >= 0  # pad and tail rows: nothing read, zeros written
-    src_row = src_ptr + (slot // K)[:, None] * D
-    out_row = out_ptr + rows.to(tl.int64)[:, None] * D
-    if HAS_WEIGHTS:
-        w = tl.load(weights_ptr + slot, mask=has_slot, other=0.0).to(COMPUTE)[:, None]
-    dot = tl.zeros([BLOCK_R], dtype=COMPUTE)
+    # Pushed from the tokens: each token row is read once and stored to its K rows. Pulling
+    # per output row instead reads every token K times, far apart in time (expert-major
+    # order), so from DRAM: 2 N D bytes instead of T D + N D.
+    tokens = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    in_bounds = tokens < T
+    ks = tl.arange(0, KP)
+    dots = tl.zeros([BLOCK_R, KP], dtype=COMPUTE)
     for d0 in range(0, D, BLOCK_D):
         cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
-        read = has_slot[:, None] & (cols < D)
-        v = tl.load(src_row + cols, mask=read, other=0.0).to(COMPUTE)
-        if HAS_DOTS:
-            other = tl.load(dot_src_ptr + rows.to(tl.int64)[:, None] * D + cols, mask=read, other=0.0)
-            dot += tl.sum(v * other.to(COMPUTE), axis=1)
-        if HAS_WEIGHTS:
-            v = v * w
-        tl.store(out_row + cols, round_to(v, out_ptr.dtype.element_ty), mask=in_bounds[:, None] & (cols < D))
+        v = tl.load(src_ptr + tokens[:, None] * D + cols, mask=in_bounds[:, None] & (cols < D), other=0.0)
+        v = v.to(COMPUTE)
+        for k in range(K):  # each row has one writer: no atomics
+            row = tl.load(inv_ptr + tokens * K + k, mask=in_bounds, other=-1).to(tl.int64)
+            has_row = (row >= 0)[:, None] & (cols < D)
+            out = v
+            if HAS_WEIGHTS:
+                out = v * tl.load(weights_ptr + tokens * K + k, mask=in_bounds, other=0.0).to(COMPUTE)[:, None]
+            tl.store(out_ptr + row[:, None] * D + cols, round_to(out, out_ptr.dtype.element_ty), mask=has_row)
+            if HAS_DOTS:
+                other = tl.load(dot_src_ptr + row[:, None] * D + cols, mask=has_row, other=0.0).to(COMPUTE)
+                dots += tl.where(ks[None, :] == k, tl.sum(v * other, axis=1)[:, None], 0.0)
     if HAS_DOTS:
-        tl.store(dots_ptr + slot, dot.to(dots_ptr.dtype.element_ty), mask=has_slot)
+        dot_mask = in_bounds[:, None] & (ks[None, :] < K)
+        tl.store(dots_ptr + tokens[:, None] * K + ks[None, :], dots.to(dots_ptr.dtype.element_ty), mask=dot_mask)
+
+
+@triton.jit
+def _zero_unowned_rows_kernel(row_slot_ptr, out_ptr, N, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Rows no slot owns (pad and tail rows) are zeros: the pushes above never touch them."""
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    slot = tl.load(row_slot_ptr + rows, mask=rows < N, other=0)
+    unowned = (slot < 0)[:, None]
+    for d0 in range(0, D, BLOCK_D):
+        cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
+        zeros = tl.zeros([BLOCK_R, BLOCK_D], dtype=out_ptr.dtype.element_ty)
+        tl.store(out_ptr + rows[:, None] * D + cols, zeros, mask=unowned & (cols < D))
 
 
 @triton.autotune(configs=_CONFIGS, key=["D", "K", "HAS_WEIGHTS"])
@@ -85,19 +102,24 @@ def _combine_kernel(
         tl.store(out_row + cols, round_to(acc, out_ptr.dtype.element_ty), mask=in_bounds[:, None] & (cols < D))
 
 
-def gather(src, row_slot, top_k, weights=None, dot_src=None):
+def gather(src, inv, row_slot, weights=None, dot_src=None):
     """src [T, D] -> (out [N, D], dots [T*K] or None); see _gather_kernel."""
-    src, row_slot = src.contiguous(), row_slot.contiguous()
-    N, D = row_slot.shape[0], src.shape[1]
+    src, inv, row_slot = src.contiguous(), inv.contiguous(), row_slot.contiguous()
+    (T, K), N, D = inv.shape, row_slot.shape[0], src.shape[1]
     out = torch.empty(N, D, dtype=src.dtype, device=src.device)
     dots = None
     if dot_src is not None:
         dot_src = dot_src.contiguous()
-        dots = torch.zeros(src.shape[0] * top_k, dtype=weights.dtype, device=src.device)  # slots without a row: 0
-    _gather_kernel[lambda meta: (triton.cdiv(N, meta["BLOCK_R"]),)](
-        src, row_slot, weights, dot_src, out, dots, N, D, top_k,
-        HAS_WEIGHTS=weights is not None, HAS_DOTS=dot_src is not None, COMPUTE=compute_dtype(src.dtype),
-    )
+        dots = torch.empty(T * K, dtype=weights.dtype, device=src.device)  # slots without a row get 0
+    if T > 0:
+        _gather_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_R"]),)](
+            src, inv, weights, dot_src, out, dots, T, D, K, triton.next_power_of_2(K),
+            HAS_WEIGHTS=weights is not None, HAS_DOTS=dot_src is not None, COMPUTE=compute_dtype(src.dtype),
+        )
+    if N > 0:
+        block_r = 8 if INTERPRET else 16
+        block_d = 32 if INTERPRET else 1024
+        _zero_unowned_rows_kernel[(triton.cdiv(N, block_r),)](row_slot, out, N, D, BLOCK_R=block_r, BLOCK_D=block_d)
     return out, dots
 
 
@@ -116,7 +138,7 @@ class GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, row_slot, inv):
         ctx.save_for_backward(inv)
-        return gather(x, row_slot, inv.shape[1])[0]
+        return gather(x, inv, row_slot)[0]
 
     @staticmethod
     def backward(ctx, dxs):
@@ -129,12 +151,11 @@ class Combine(torch.autograd.Function):
     def forward(ctx, y, probs, inv, row_slot):
         probs = None if probs is None else probs.contiguous()
         need_dprobs = probs is not None and ctx.needs_input_grad[1]
-        ctx.save_for_backward(y if need_dprobs else None, probs, row_slot)
-        ctx.top_k = inv.shape[1]
+        ctx.save_for_backward(y if need_dprobs else None, probs, inv, row_slot)
         return combine_rows(y, inv, probs)
 
     @staticmethod
     def backward(ctx, dout):
-        y, probs, row_slot = ctx.saved_tensors
-        dy, dots = gather(dout, row_slot, ctx.top_k, weights=probs, dot_src=y)
+        y, probs, inv, row_slot = ctx.saved_tensors
+        dy, dots = gather(dout, inv, row_slot, weights=probs, dot_src=y)
         return dy, None if dots is None else dots.view_as(probs), None, None

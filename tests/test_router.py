@@ -108,3 +108,15 @@ def test_sequence_balance_loss_matches_definition():
     balanced = balanced_experts(seq_len, top_k, num_experts, "cpu")
     assert float(sequence_balance_loss(uniform, balanced, num_experts, seq_len)) == pytest.approx(1.0, abs=0.2)
     assert math.isfinite(float(loss))
+
+
+def test_routing_is_a_pytree_of_its_tensors():
+    # FSDP2 (torch 2.11) finds the router's outputs to hook for backward with pytree: an
+    # opaque Routing left the gate's weights freed in backward ("storage of size 0").
+    import torch.utils._pytree as pytree
+
+    router = Router(8, num_experts=4, top_k=2, aux_loss_coeff=0.1)
+    router.init_weights()
+    routing = router(torch.randn(6, 8), seq_len=3)
+    leaves = pytree.tree_flatten(routing)[0]
+    assert len(leaves) == 5 and all(isinstance(t, torch.Tensor) for t in leaves)

@@ -57,3 +57,11 @@ def test_checkpoint_resume_gives_identical_losses(tmp_path):
     assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
     for a, b in zip(reference[5:], resumed):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a["step"], a["loss"], b["loss"])
+
+
+@pytest.mark.slow
+def test_expert_parallel_bf16_mixed_precision(tmp_path):
+    # bf16 parameters under EP: the experts' FSDP group must leave the fp32 probs alone.
+    records = train(tmp_path / "run", "--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
+                    "--training.mixed_precision_param", "bfloat16")
+    assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]

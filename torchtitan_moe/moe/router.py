@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree
 from torch import nn
 
 
@@ -24,6 +25,11 @@ class Routing:
     tokens_per_expert: torch.Tensor  # [E] int64: slots routed to each expert
     scores: torch.Tensor  # [T, E] fp32: scores before top-k (for the aux loss and checks)
     aux_loss: torch.Tensor | None  # scalar fp32: sequence-level balance loss, or None when off
+
+
+# FSDP2 hooks the router's outputs to all-gather its weights again for backward; torch 2.11
+# finds those tensors with pytree, which sees into a dataclass only once it is registered.
+torch.utils._pytree.register_dataclass(Routing)
 
 
 class Router(nn.Module):

@@ -88,7 +88,11 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
             # When experts are fewer than efsdp x ep shards, shard each expert's rows instead.
             experts_per_rank = moe.experts.num_experts // ep
             placement = (lambda p: Shard(1)) if edp_mesh.size() > experts_per_rank else None
-            fully_shard(moe.experts, mesh=edp_mesh, mp_policy=mp, reshard_after_forward=reshard,
+            # The experts take an ExpertBatch whose probs must stay fp32: FSDP must not cast
+            # the inputs (the experts cast their rows to the weights' dtype themselves).
+            experts_mp = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                                              cast_forward_inputs=False)
+            fully_shard(moe.experts, mesh=edp_mesh, mp_policy=experts_mp, reshard_after_forward=reshard,
                         shard_placement_fn=placement)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

@@ -1,6 +1,6 @@
 """The step line and the per-step record: torchtitan's metrics plus what MoE training needs.
 
-    step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  mfu: 0.00%
+    step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  tflops: 0.11
           | moe aux: 1.003  load max/mean: 1.21  cv: 0.09  dead: 0  ep max/mean: 1.04
           | ranks grad max/min: 1.3          (monitor steps only)
 

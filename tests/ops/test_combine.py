@@ -26,8 +26,13 @@ D = 72
 
 def make_index(case: str, device: str):
     T, K, E, align, used, empty = CASES[case]
-    experts = random_routing(T, K, E, seed=len(case), experts_used=used, empty=empty)
+    experts = random_routing(T, K, E, seed=case_seed(case), experts_used=used, empty=empty)
     return ops.routing_index(experts.to(device), E, align, backend="torch")
+
+
+def case_seed(case: str) -> int:
+    """A seed of its own for each case; tensor i of the case draws from case_seed + i."""
+    return 100 * list(CASES).index(case)
 
 
 def randn(*shape, dtype, device, seed):
@@ -77,13 +82,13 @@ def dprobs_exact(dout: torch.Tensor, y: torch.Tensor, index):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", CASES)
 def test_gather_rows(case, dtype, backend, device, poison_empty):
-    index = make_index(case, device)
+    index, seed = make_index(case, device), case_seed(case)
     T, N = index.inv.shape[0], index.row_slot.shape[0]
-    x = randn(T, D, dtype=dtype, device=device, seed=1).requires_grad_()
+    x = randn(T, D, dtype=dtype, device=device, seed=seed + 1).requires_grad_()
     xs = ops.gather_rows(x, index, backend=backend)
     assert xs.dtype == dtype and torch.equal(xs.cpu().double(), gather_exact(x, index))  # a copy: exact
 
-    dxs = poison_rows_without_slot(randn(N, D, dtype=dtype, device=device, seed=2), index)
+    dxs = poison_rows_without_slot(randn(N, D, dtype=dtype, device=device, seed=seed + 2), index)
     (dx,) = torch.autograd.grad(xs, x, dxs)
     assert_sum("dx", dx.cpu(), *combine_exact(dxs, index))
 
@@ -93,10 +98,11 @@ def test_gather_rows(case, dtype, backend, device, poison_empty):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", CASES)
 def test_combine(case, dtype, weighted, backend, device, poison_empty):
-    index = make_index(case, device)
+    index, seed = make_index(case, device), case_seed(case)
     (T, K), N = index.inv.shape, index.row_slot.shape[0]
-    y = poison_rows_without_slot(randn(N, D, dtype=dtype, device=device, seed=3), index).requires_grad_()
-    probs = torch.rand(T, K, generator=torch.Generator().manual_seed(4)).to(device).requires_grad_() if weighted else None
+    y = poison_rows_without_slot(randn(N, D, dtype=dtype, device=device, seed=seed + 3), index).requires_grad_()
+    probs = torch.rand(T, K, generator=torch.Generator().manual_seed(seed + 4)).to(device).requires_grad_()
+    probs = probs if weighted else None
     out = ops.combine(y, index, probs, backend=backend)
     exact, abs_terms = combine_exact(y, index, probs)
     assert out.dtype == dtype
@@ -105,7 +111,7 @@ def test_combine(case, dtype, weighted, backend, device, poison_empty):
     else:
         assert_sum("out", out.cpu(), exact, abs_terms)
 
-    dout = randn(T, D, dtype=dtype, device=device, seed=5)
+    dout = randn(T, D, dtype=dtype, device=device, seed=seed + 5)
     grads = torch.autograd.grad(out, (y, probs) if weighted else (y,), dout)
     assert_ulp("dy", grads[0].cpu(), gather_exact(dout, index, probs), elementwise_ulps(dtype))
     if weighted:

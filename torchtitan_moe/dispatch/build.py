@@ -12,9 +12,7 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.dispatch.local import LocalDispatcher
-from torchtitan_moe.moe.layer import MoE, resolve_kernels
-from torchtitan_moe.moe.padding import resolve_alignment
+from torchtitan_moe.moe.layer import MoE
 
 
 def training_device() -> torch.device:
@@ -27,18 +25,19 @@ def shard_experts(moe: MoE, ep_mesh) -> None:
 
 
 def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
-    """Give every MoE layer of `model` its dispatcher (and, under EP, its expert shard)."""
+    """Give every MoE layer of `model` its dispatcher (and, under EP, its expert shard).
+
+    Kernels and padding come from each layer's MoEArgs ([kernels], [moe] applied there)."""
     device = training_device()
-    kernels = resolve_kernels(job_config.kernels.backend, device)
-    align = resolve_alignment(job_config.moe.padding, job_config.moe.align, device)
     backend = job_config.dispatch.backend
     if backend == "auto":
         backend = "local" if parallel_dims.ep == 1 else "all_to_all"
     ep_mesh = parallel_dims.get_mesh("ep") if parallel_dims.ep > 1 else None
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         if backend == "local":
-            moe.set_dispatcher(LocalDispatcher(moe.num_experts, align=align, kernels=kernels))
+            moe.set_dispatcher(moe.local_dispatcher(device))
         elif backend == "all_to_all":
+            kernels, align = moe.dispatch_settings(device)
             shard_experts(moe, ep_mesh)
             moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, ep_mesh.get_group(), align=align, kernels=kernels))
         else:

@@ -114,18 +114,22 @@ class MoE(nn.Module):
         self.dispatcher = dispatcher
         self.experts.kernels = dispatcher.kernels
 
-    def _default_dispatcher(self, device: torch.device):
+    def dispatch_settings(self, device: torch.device) -> tuple[str, int]:
+        """(kernels, align) of this layer's dispatcher on `device`, from its MoEArgs."""
+        return resolve_kernels(self.args.kernels, device), resolve_alignment(self.args.padding, self.args.align, device)
+
+    def local_dispatcher(self, device: torch.device):
+        """The EP = 1 dispatcher, also the default of a layer used on its own."""
         # Imported here: dispatchers import the router, and this package imports this module.
         from torchtitan_moe.dispatch.local import LocalDispatcher
 
-        kernels = resolve_kernels(self.args.kernels, device)
-        align = resolve_alignment(self.args.padding, self.args.align, device)
+        kernels, align = self.dispatch_settings(device)
         return LocalDispatcher(self.num_experts, align=align, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S, D] -> [B, S, D]."""
         if self.dispatcher is None:
-            self.set_dispatcher(self._default_dispatcher(x.device))
+            self.set_dispatcher(self.local_dispatcher(x.device))
         batch_size, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)
         routing = self.router(tokens, seq_len=seq_len)

@@ -20,7 +20,14 @@ from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.config_loader import load_job_config
 from torchtitan_moe.moe.layer import MoE
-from torchtitan_moe.torchtitan_compat import Trainer, check_torchtitan_version, enable_cpu_training, init_logger, logger
+from torchtitan_moe.torchtitan_compat import (
+    Trainer,
+    check_torchtitan_version,
+    enable_cpu_training,
+    exit_process,
+    init_logger,
+    logger,
+)
 
 
 class RouterInitError(RuntimeError):
@@ -164,4 +171,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

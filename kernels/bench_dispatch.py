@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher, _Exchange
+from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.dispatch.exchange import exchange
 from torchtitan_moe.moe.router import Routing, count_tokens
 
 
@@ -51,8 +52,8 @@ class PerExpertRowsDispatcher:
         probs = slots_to_rows(routing.probs, index.inv, rows.shape[0])
         local = routing.experts.reshape(-1)[index.row_slot.clamp(min=0)] % self.local_experts
         meta = torch.stack([local.to(probs.dtype), probs], dim=1)
-        recv_x = _Exchange.apply(rows, send, recv, self.group, None)
-        recv_meta = _Exchange.apply(meta, send, recv, self.group, None)
+        recv_x = exchange([rows], send, recv, self.group)[0]
+        recv_meta = exchange([meta], send, recv, self.group)[0]
         local_index = ops.routing_index(recv_meta[:, :1].long(), self.local_experts, backend=self.kernels)
         expert_rows = ops.gather_rows(recv_x, local_index, backend=self.kernels)
         return ExpertBatch(expert_rows, slots_to_rows(recv_meta[:, 1:], local_index.inv, expert_rows.shape[0]),
@@ -61,7 +62,7 @@ class PerExpertRowsDispatcher:
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         c = batch.ctx
-        back = _Exchange.apply(ops.combine(y, c.local_index, backend=self.kernels), c.recv_rows, c.send_rows, self.group, None)
+        (back,) = exchange([ops.combine(y, c.local_index, backend=self.kernels)], c.recv_rows, c.send_rows, self.group)
         return ops.combine(back, c.index, backend=self.kernels)
 
 
@@ -114,7 +115,7 @@ def bench_ep(ep: int, args, device) -> dict:
         rows = torch.randn(sum(send_rows), args.dim, device=device, dtype=args.dtype)
         recv = torch.empty(sum(recv_rows), args.dim, device=device, dtype=args.dtype)
 
-        def exchange():
+        def wire():
             dist.all_to_all_single(recv, rows, recv_rows, send_rows, group=group)
 
         def layer_path():
@@ -123,7 +124,7 @@ def bench_ep(ep: int, args, device) -> dict:
             out = dispatcher.combine(b.x, b)
             out.backward(torch.ones_like(out))
 
-        ms = timed(exchange, args.warmup, args.iters, group)
+        ms = timed(wire, args.warmup, args.iters, group)
         remote = torch.tensor(remote_bytes, dtype=torch.float64, device=x.device)
         dist.all_reduce(remote, op=dist.ReduceOp.MAX, group=group)
         result[name] = {

@@ -210,6 +210,8 @@ def check_cli_keys(args: list[str], config_cls: type) -> None:
         if section not in sections:
             raise ConfigError(f"{arg}: unknown section '{section}'; known: {', '.join(sorted(sections))}")
         keys = {f.name for f in dataclasses.fields(sections[section])}
+        if key.startswith("no_") and key[3:] in keys:  # tyro's negated booleans: --section.no-key
+            key = key[3:]
         if key not in keys:
             raise ConfigError(f"{arg}: unknown key '{key}' in [{section}]; known: {', '.join(sorted(keys))}")
 

@@ -34,7 +34,11 @@ import torch
 @dataclass
 class Setting:
     name: str  # e.g. "ep=2"
-    overrides: list[str]  # e.g. ["--parallelism.expert_parallel_degree", "2"]
+    values: list[tuple[str, str]]  # e.g. [("parallelism.expert_parallel_degree", "2")]
+
+    @property
+    def overrides(self) -> list[str]:
+        return [arg for key, value in self.values for arg in override(key, value)]
 
 
 def settings_from(varies: list[str]) -> list[Setting]:
@@ -48,8 +52,16 @@ def settings_from(varies: list[str]) -> list[Setting]:
     result = []
     for combo in itertools.product(*axes):
         short = ",".join(f"{k.split('.')[-1].replace('expert_parallel_degree', 'ep')}={v}" for k, v in combo)
-        result.append(Setting(short, [arg for k, v in combo for arg in (f"--{k}", v)]))
+        result.append(Setting(short, list(combo)))
     return result
+
+
+def override(key: str, value: str) -> list[str]:
+    """("a.b", "2") -> ["--a.b", "2"]; booleans are flags: ("a.b", "false") -> ["--a.no-b"]."""
+    if value.lower() in ("true", "false"):
+        section, _, name = key.rpartition(".")
+        return [f"--{key}" if value.lower() == "true" else f"--{section}.no-{name}"]
+    return [f"--{key}", value]
 
 
 def launch(config: str, dump: Path, overrides: list[str], nproc: int, log: Path) -> None:
@@ -192,7 +204,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def default_nproc(settings: list[Setting]) -> int:
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    eps = [int(s.overrides[i + 1]) for s in settings for i, a in enumerate(s.overrides) if a.endswith("expert_parallel_degree")]
+    eps = [int(v) for s in settings for k, v in s.values if k.endswith("expert_parallel_degree")]
     return max([2, *eps])
 
 
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.nproc or default_nproc(settings)
     out = Path(args.out or Path("outputs") / "parity" / Path(args.config).stem)
     out.mkdir(parents=True, exist_ok=True)
-    varied = {a for s in settings for a in s.overrides[::2]} | set(args.extra[::2])
+    varied = {f"--{k}" for s in settings for k, _ in s.values} | set(args.extra[::2])
     # EP = 1 needs the local dispatcher, EP > 1 the all-to-all: let 'auto' pick per setting.
     common = [] if "--dispatch.backend" in varied else ["--dispatch.backend", "auto"]
     common += ["--debug.deterministic"] if args.deterministic else []

@@ -27,35 +27,12 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.dispatch.base import ExpertBatch, recomputing, slots_to_rows
+from torchtitan_moe.dispatch.exchange import exchange, replay
 from torchtitan_moe.moe.router import count_tokens
 
 if TYPE_CHECKING:
     from torchtitan_moe.moe.router import Routing
-
-
-class _Exchange(torch.autograd.Function):
-    """all_to_all_single with autograd; backward sends the gradient back the way it came.
-
-    `kept` ([tensor] or None) replays an earlier result (activation checkpointing): no
-    communication forward, the usual reverse exchange backward. It travels in a list so
-    autograd does not take it for an input returned unchanged.
-    """
-
-    @staticmethod
-    def forward(ctx, x, send_splits, recv_splits, group, kept):
-        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
-        if kept is not None:
-            return kept[0]
-        out = x.new_empty((sum(recv_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), recv_splits, send_splits, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = grad.new_empty((sum(ctx.send_splits), *grad.shape[1:]))
-        dist.all_to_all_single(out, grad.contiguous(), ctx.send_splits, ctx.recv_splits, group=ctx.group)
-        return out, None, None, None, None
 
 
 class _Rows(NamedTuple):
@@ -102,8 +79,7 @@ class AllToAllDispatcher:
     # -- exchanges, kept for activation-checkpointing replay --------------------------------
 
     def _replaying(self) -> bool:
-        # Recompute under activation checkpointing runs inside the backward pass.
-        return self.keep_exchanges and torch._C._current_graph_task_id() != -1
+        return self.keep_exchanges and recomputing()
 
     def _keep(self, item) -> None:
         if self.keep_exchanges and torch.is_grad_enabled():
@@ -114,12 +90,12 @@ class AllToAllDispatcher:
             raise RuntimeError("all-to-all replay: the recomputed forward asked for an exchange that was not kept")
         return self._kept.popleft()
 
-    def _exchange(self, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+    def _exchange(self, xs: list[torch.Tensor], send: list[int], recv: list[int]) -> list[torch.Tensor]:
         if self._replaying():
-            return _Exchange.apply(x, send, recv, self.group, [self._replayed()])
-        out = _Exchange.apply(x, send, recv, self.group, None)
-        self._keep(out.detach())
-        return out
+            return replay(xs, self._replayed(), send, recv, self.group)
+        outs = exchange(xs, send, recv, self.group)
+        self._keep([y.detach() for y in outs])
+        return outs
 
     def _plan_exchange(self, counts: torch.Tensor) -> tuple[list[int], list[int], int]:
         """counts [P, 2] (rows, slots) to each rank -> rows to/from each rank, slots received."""
@@ -127,8 +103,8 @@ class AllToAllDispatcher:
             return self._replayed()
         # A forward that starts with leftovers had no backward (e.g. its loss was dropped).
         self._kept.clear()
-        recv = torch.empty_like(counts)
-        dist.all_to_all_single(recv, counts, group=self.group)
+        one_row = [1] * self.ep_size
+        (recv,) = exchange([counts], one_row, one_row, self.group)
         flat = torch.cat([counts[:, 0], recv[:, 0], recv[:, 1].sum().view(1)]).tolist()  # the host sync
         p = self.ep_size
         plan = flat[:p], flat[p : 2 * p], flat[2 * p]
@@ -157,8 +133,7 @@ class AllToAllDispatcher:
         ids = torch.where(here, experts[token] % self.local_experts, -1)
         meta = torch.cat([ids.to(probs.dtype), torch.where(here, probs[token], 0.0)], dim=1)  # [S, 2K] fp32
 
-        recv = self._exchange(rows, send_rows, recv_rows)  # [R, D]
-        recv_meta = self._exchange(meta, send_rows, recv_rows)  # [R, 2K]
+        recv, recv_meta = self._exchange([rows, meta], send_rows, recv_rows)  # [R, D], [R, 2K]
         local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
         local_index = ops.routing_index(
             local_ids, self.local_experts, self.align, num_slots=recv_slots, backend=self.kernels
@@ -176,5 +151,5 @@ class AllToAllDispatcher:
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         plan: _Plan = batch.ctx
         per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts
-        back = self._exchange(per_row, plan.recv_rows, plan.send_rows)  # [S, D]
+        (back,) = self._exchange([per_row], plan.recv_rows, plan.send_rows)  # [S, D]
         return ops.combine(back, plan.send_index, backend=self.kernels)  # [T, D]: sum over ranks

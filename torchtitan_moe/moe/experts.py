@@ -41,6 +41,6 @@ class GroupedExperts(nn.Module):
         """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""
         w13, w2 = _local(self.w13), _local(self.w2)
         x = batch.x.to(w13.dtype)
-        ab = torch._grouped_mm(x, w13.transpose(-2, -1), offs=batch.offsets)
+        ab = ops.grouped_mm(x, w13.transpose(-2, -1), batch.offsets)
         h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)
-        return torch._grouped_mm(h, w2.transpose(-2, -1), offs=batch.offsets)
+        return ops.grouped_mm(h, w2.transpose(-2, -1), batch.offsets)

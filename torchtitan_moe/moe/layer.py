@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from torchtitan_moe.dispatch.base import recomputing
 from torchtitan_moe.moe.experts import GroupedExperts
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
@@ -64,12 +65,6 @@ class _AttachAuxLoss(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         grad_aux = torch.full(ctx.aux_shape, ctx.scale, device=grad_out.device, dtype=torch.float32)
         return grad_out, grad_aux, None
-
-
-def _in_backward() -> bool:
-    # True while activation checkpointing re-runs the forward inside the backward pass:
-    # statistics must be counted once per real forward.
-    return torch._C._current_graph_task_id() != -1
 
 
 class MoE(nn.Module):
@@ -133,7 +128,7 @@ class MoE(nn.Module):
         batch_size, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)
         routing = self.router(tokens, seq_len=seq_len)
-        if self.training and not _in_backward():
+        if self.training and not recomputing():  # count each real forward once
             with torch.no_grad():
                 self.tokens_per_expert.add_(routing.tokens_per_expert)
                 if routing.aux_loss is not None:

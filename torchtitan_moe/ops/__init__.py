@@ -16,11 +16,13 @@ torch and triton, so the package can be lifted into any training stack.
 """
 
 from .combine import combine, combine_reference, gather_rows, gather_rows_reference
+from .grouped_mm import grouped_mm
 from .permute import RoutingIndex, routing_index, routing_index_reference
 from .swiglu_prob import swiglu_prob, swiglu_prob_reference
 
 __all__ = [
     "RoutingIndex",
+    "grouped_mm",
     "routing_index",
     "routing_index_reference",
     "gather_rows",

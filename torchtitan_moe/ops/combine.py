@@ -90,15 +90,93 @@ def combine_reference(y: torch.Tensor, index, probs: torch.Tensor | None = None)
 # --------------------------------------------------------------------------- ops
 
 
+# ---------------------------------------------------------------------------- Triton ops
+# Opaque nodes for torch.compile: custom ops with fake implementations and autograd. The
+# kernels' module is imported inside, on first use: backend="torch" needs no Triton.
+# gather_rows' backward is the unweighted combine; combine's is a weighted gather that
+# also reduces dprobs (combine_backward).
+
+
+@torch.library.custom_op("torchtitan_moe::gather_rows", mutates_args=())
+def _gather_rows_triton(x: torch.Tensor, row_slot: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    from .combine_triton import gather
+
+    return gather(x, inv, row_slot)[0]
+
+
+@_gather_rows_triton.register_fake
+def _(x, row_slot, inv):
+    return x.new_empty(row_slot.shape[0], x.shape[1])
+
+
+def _gather_rows_setup(ctx, inputs, output) -> None:
+    _, row_slot, inv = inputs
+    ctx.save_for_backward(row_slot, inv)
+
+
+def _gather_rows_backward(ctx, dxs):
+    row_slot, inv = ctx.saved_tensors
+    return _combine_triton(dxs, inv, row_slot, None), None, None
+
+
+_gather_rows_triton.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
+
+
+@torch.library.custom_op("torchtitan_moe::combine", mutates_args=())
+def _combine_triton(
+    y: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, probs: torch.Tensor | None
+) -> torch.Tensor:
+    from .combine_triton import combine_rows
+
+    return combine_rows(y, inv, None if probs is None else probs.contiguous())
+
+
+@_combine_triton.register_fake
+def _(y, inv, row_slot, probs):
+    return y.new_empty(inv.shape[0], y.shape[1])
+
+
+@torch.library.custom_op("torchtitan_moe::combine_backward", mutates_args=())
+def _combine_backward(
+    dout: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, probs: torch.Tensor | None, y: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> dy [N, D], dprobs [T, K] (empty [0] unless both probs and y are given)."""
+    from .combine_triton import gather
+
+    dy, dots = gather(dout, inv, row_slot, weights=None if probs is None else probs.contiguous(), dot_src=y)
+    return dy, dout.new_empty(0, dtype=torch.float32) if dots is None else dots.view(inv.shape)
+
+
+@_combine_backward.register_fake
+def _(dout, inv, row_slot, probs, y):
+    dy = dout.new_empty(row_slot.shape[0], dout.shape[1])
+    if probs is None or y is None:
+        return dy, dout.new_empty(0, dtype=torch.float32)
+    return dy, torch.empty_like(probs)
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    y, inv, row_slot, probs = inputs
+    need_dprobs = probs is not None and ctx.needs_input_grad[3]
+    ctx.save_for_backward(y if need_dprobs else None, inv, row_slot, probs)
+
+
+def _combine_backward_fn(ctx, dout):
+    y, inv, row_slot, probs = ctx.saved_tensors
+    dy, dprobs = _combine_backward(dout, inv, row_slot, probs, y)
+    return dy, None, None, dprobs if y is not None else None
+
+
+_combine_triton.register_autograd(_combine_backward_fn, setup_context=_combine_setup)
+
+
 def gather_rows(x: torch.Tensor, index, *, backend: str = "triton") -> torch.Tensor:
     """xs [N, D]: the token rows of x [T, D] in expert-major order; zeros for pad and tail rows."""
     _check_data("x", x)
     _check_index(index, x.device, num_tokens=x.shape[0])
     if not use_triton(backend, x):
         return gather_rows_reference(x, index)
-    from .combine_triton import GatherRows  # here: backend="torch" must work without Triton
-
-    return GatherRows.apply(x, index.row_slot, index.inv)
+    return _gather_rows_triton(x, index.row_slot, index.inv)
 
 
 def combine(y: torch.Tensor, index, probs: torch.Tensor | None = None, *, backend: str = "triton") -> torch.Tensor:
@@ -109,6 +187,4 @@ def combine(y: torch.Tensor, index, probs: torch.Tensor | None = None, *, backen
         _check_probs(probs, index.inv)
     if not use_triton(backend, y):
         return combine_reference(y, index, probs)
-    from .combine_triton import Combine  # here: backend="torch" must work without Triton
-
-    return Combine.apply(y, probs, index.inv, index.row_slot)
+    return _combine_triton(y, index.inv, index.row_slot, probs)

@@ -1,4 +1,4 @@
-"""Triton kernels of gather_rows and combine, and their autograd functions.
+"""Triton kernels of gather_rows and combine, and their launchers.
 
     _gather_kernel   out [N, D]: out[inv[t, k]] = w[t, k] * src[t], pushed from each token row;
                      optionally dots[t, k] = <src[t], dot_src[inv[t, k]]> on the way (dprobs)
@@ -132,30 +132,3 @@ def combine_rows(src, inv, weights=None):
         src, inv, weights, out, T, D, K, HAS_WEIGHTS=weights is not None, COMPUTE=compute_dtype(src.dtype)
     )
     return out
-
-
-class GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, row_slot, inv):
-        ctx.save_for_backward(inv)
-        return gather(x, inv, row_slot)[0]
-
-    @staticmethod
-    def backward(ctx, dxs):
-        (inv,) = ctx.saved_tensors
-        return combine_rows(dxs, inv), None, None
-
-
-class Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, probs, inv, row_slot):
-        probs = None if probs is None else probs.contiguous()
-        need_dprobs = probs is not None and ctx.needs_input_grad[1]
-        ctx.save_for_backward(y if need_dprobs else None, probs, inv, row_slot)
-        return combine_rows(y, inv, probs)
-
-    @staticmethod
-    def backward(ctx, dout):
-        y, probs, inv, row_slot = ctx.saved_tensors
-        dy, dots = gather(dout, inv, row_slot, weights=probs, dot_src=y)
-        return dy, None if dots is None else dots.view_as(probs), None, None

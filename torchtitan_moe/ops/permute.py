@@ -92,6 +92,28 @@ def routing_index_reference(
     return RoutingIndex(tokens_per_expert, ends.to(torch.int32), inv.view(T, K), row_slot, ends[-1], K)
 
 
+@torch.library.custom_op("torchtitan_moe::routing_index", mutates_args=())
+def _routing_index_triton(
+    experts: torch.Tensor, num_experts: int, align: int, num_rows_alloc: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One opaque node for torch.compile (integer outputs: no autograd)."""
+    from .permute_triton import routing_index_triton  # here: backend="torch" must work without Triton
+
+    return routing_index_triton(experts, num_experts, align, num_rows_alloc)
+
+
+@_routing_index_triton.register_fake
+def _(experts, num_experts, align, num_rows_alloc):
+    new = experts.new_empty
+    return (
+        new(num_experts, dtype=torch.int64),
+        new(num_experts, dtype=torch.int32),
+        new(experts.shape, dtype=torch.int64),
+        new(num_rows_alloc, dtype=torch.int64),
+        new((), dtype=torch.int64),
+    )
+
+
 def routing_index(
     experts: torch.Tensor,
     num_experts: int,
@@ -109,9 +131,6 @@ def routing_index(
     _check_args(experts, num_experts, align, num_slots)
     if not use_triton(backend, experts):
         return routing_index_reference(experts, num_experts, align, num_slots=num_slots)
-    from .permute_triton import routing_index_triton  # here: backend="torch" must work without Triton
-
     T, K = experts.shape
     N = allocated_rows(T * K if num_slots is None else num_slots, num_experts, align)
-    tokens_per_expert, offsets, inv, row_slot, num_rows = routing_index_triton(experts, num_experts, align, N)
-    return RoutingIndex(tokens_per_expert, offsets, inv, row_slot, num_rows, K)
+    return RoutingIndex(*_routing_index_triton(experts, num_experts, align, N), K)

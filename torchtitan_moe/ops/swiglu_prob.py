@@ -48,6 +48,50 @@ def swiglu_prob_reference(ab: torch.Tensor, probs: torch.Tensor, num_rows: torch
     return torch.where(valid[:, None], h, 0.0).to(ab.dtype)
 
 
+# ---------------------------------------------------------------------------- Triton op
+# One opaque node for torch.compile: a custom op with a fake implementation and autograd.
+# The kernels' module is imported inside, on first use: backend="torch" needs no Triton.
+
+
+@torch.library.custom_op("torchtitan_moe::swiglu_prob", mutates_args=())
+def _swiglu_prob_triton(ab: torch.Tensor, probs: torch.Tensor, num_rows: torch.Tensor | None) -> torch.Tensor:
+    from .swiglu_prob_triton import swiglu_prob_fwd
+
+    return swiglu_prob_fwd(ab, probs, num_rows)
+
+
+@_swiglu_prob_triton.register_fake
+def _(ab, probs, num_rows):
+    return ab.new_empty(ab.shape[0], ab.shape[1] // 2)
+
+
+@torch.library.custom_op("torchtitan_moe::swiglu_prob_backward", mutates_args=())
+def _swiglu_prob_backward(
+    dh: torch.Tensor, ab: torch.Tensor, probs: torch.Tensor, num_rows: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from .swiglu_prob_triton import swiglu_prob_bwd
+
+    return swiglu_prob_bwd(dh, ab, probs, num_rows)
+
+
+@_swiglu_prob_backward.register_fake
+def _(dh, ab, probs, num_rows):
+    return torch.empty_like(ab), torch.empty_like(probs)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(*inputs)  # ab, probs, num_rows: silu is recomputed, h is not kept
+
+
+def _backward(ctx, dh):
+    ab, probs, num_rows = ctx.saved_tensors
+    dab, dprobs = _swiglu_prob_backward(dh, ab, probs, num_rows)
+    return dab, dprobs, None
+
+
+_swiglu_prob_triton.register_autograd(_backward, setup_context=_setup_context)
+
+
 def swiglu_prob(
     ab: torch.Tensor, probs: torch.Tensor, num_rows: torch.Tensor | None = None, *, backend: str = "triton"
 ) -> torch.Tensor:
@@ -55,6 +99,4 @@ def swiglu_prob(
     _check_args(ab, probs, num_rows)
     if not use_triton(backend, ab):
         return swiglu_prob_reference(ab, probs, num_rows)
-    from .swiglu_prob_triton import SwigluProb  # here: backend="torch" must work without Triton
-
-    return SwigluProb.apply(ab, probs, num_rows)
+    return _swiglu_prob_triton(ab, probs, num_rows)

@@ -1,4 +1,4 @@
-"""Triton kernels of swiglu_prob, forward and backward, and its autograd function.
+"""Triton kernels of swiglu_prob, forward and backward, and their launchers.
 
 One program owns BLOCK_R whole rows and walks the I columns in BLOCK_I steps, reading
 a and b from the two contiguous halves of each ab row. Owning whole rows lets the
@@ -84,23 +84,22 @@ def _grid(N):
     return lambda meta: (triton.cdiv(N, meta["BLOCK_R"]),)
 
 
-class SwigluProb(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ab, probs, num_rows):
-        ab, probs = ab.contiguous(), probs.contiguous()
-        N, I = ab.shape[0], ab.shape[1] // 2
-        h = torch.empty(N, I, dtype=ab.dtype, device=ab.device)
-        _swiglu_prob_fwd_kernel[_grid(N)](ab, probs, num_rows, h, N, I, COMPUTE=compute_dtype(ab.dtype))
-        ctx.save_for_backward(ab, probs, num_rows)
-        return h
+def swiglu_prob_fwd(ab, probs, num_rows):
+    """ab [N, 2I], probs [N], num_rows [] or None -> h [N, I]."""
+    ab, probs = ab.contiguous(), probs.contiguous()
+    N, I = ab.shape[0], ab.shape[1] // 2
+    h = torch.empty(N, I, dtype=ab.dtype, device=ab.device)
+    _swiglu_prob_fwd_kernel[_grid(N)](ab, probs, num_rows, h, N, I, COMPUTE=compute_dtype(ab.dtype))
+    return h
 
-    @staticmethod
-    def backward(ctx, dh):
-        ab, probs, num_rows = ctx.saved_tensors
-        N, I = ab.shape[0], ab.shape[1] // 2
-        dab = torch.empty(N, 2 * I, dtype=ab.dtype, device=ab.device)
-        dprobs = torch.empty(N, dtype=probs.dtype, device=probs.device)
-        _swiglu_prob_bwd_kernel[_grid(N)](
-            dh.contiguous(), ab, probs, num_rows, dab, dprobs, N, I, COMPUTE=compute_dtype(ab.dtype)
-        )
-        return dab, dprobs, None
+
+def swiglu_prob_bwd(dh, ab, probs, num_rows):
+    """-> dab [N, 2I] (zeros for rows >= num_rows), dprobs [N]."""
+    ab, probs = ab.contiguous(), probs.contiguous()
+    N, I = ab.shape[0], ab.shape[1] // 2
+    dab = torch.empty(N, 2 * I, dtype=ab.dtype, device=ab.device)
+    dprobs = torch.empty(N, dtype=probs.dtype, device=probs.device)
+    _swiglu_prob_bwd_kernel[_grid(N)](
+        dh.contiguous(), ab, probs, num_rows, dab, dprobs, N, I, COMPUTE=compute_dtype(ab.dtype)
+    )
+    return dab, dprobs

@@ -2,6 +2,7 @@
 
     tokens [B, S] ─► tok_embeddings ─► n_layers x TransformerBlock ─► norm ─► output [B, S, V]
     TransformerBlock: h = x + attention(attention_norm(x));  out = h + moe(ffn_norm(h))
+                      (`attend` is everything before the MoE)
 
 Module names follow torchtitan's (tok_embeddings, layers, norm, output, moe_enabled) so
 its activation checkpointing, checkpointing and metrics work unchanged.
@@ -30,8 +31,14 @@ class TransformerBlock(nn.Module):
         self.out_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope_cache, None)
-        return x + self.moe(self.ffn_norm(x))
+        h, moe_input = self.attend(x, rope_cache)
+        return h + self.moe(moe_input)
+
+    def attend(self, x: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block up to its MoE: h = x + attention(norm(x)), and the MoE's input norm(h).
+        One region for torch.compile (parallelize.apply_compile)."""
+        h = x + self.attention(self.attention_norm(x), rope_cache, None)
+        return h, self.ffn_norm(h)
 
     def init_weights(self, buffer_device: torch.device | None) -> None:
         self.attention_norm.reset_parameters()

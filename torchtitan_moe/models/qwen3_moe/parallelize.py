@@ -46,15 +46,30 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
         )
         keep_exchanges_for_recompute(model)
     if job_config.compile.enable and "model" in job_config.compile.components:
-        for name, block in model.layers.named_children():
-            model.layers.register_module(name, torch.compile(block, fullgraph=False))
-        logger.info("Compiled each TransformerBlock with torch.compile")
+        apply_compile(model, job_config.compile.backend)
 
     if parallel_dims.fsdp_enabled:
         apply_fsdp(model, parallel_dims, job_config)
     elif parallel_dims.dp_replicate_enabled:
         raise ValueError("[parallelism] data_parallel_replicate_degree > 1 without sharding is not supported; use FSDP")
     return model
+
+
+def apply_compile(model: nn.Module, backend: str) -> None:
+    """torch.compile each block's dense math: `attend` (norms, attention, residual) and the router.
+
+    Regions end where FSDP2's hooks are (dynamo does not trace them: a graph break there, and
+    under activation checkpointing one break sends the whole block back to eager). So the
+    router's forward is compiled inside its own FSDP hooks, not the block around them. The
+    experts and dispatchers are not: their work is our custom ops (one opaque node each)
+    and the exchange with its host sync, and their statistics and replays are Python state.
+    """
+    for block in model.layers.values():
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        inner.attend = torch.compile(inner.attend, backend=backend, fullgraph=True)
+        router = inner.moe.router
+        router.forward = torch.compile(router.forward, backend=backend, fullgraph=True)
+    logger.info("Compiled each block's attention and router with torch.compile")
 
 
 def keep_exchanges_for_recompute(model: nn.Module) -> None:

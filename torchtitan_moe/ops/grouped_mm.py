@@ -1,0 +1,72 @@
+"""grouped_mm: the experts' GEMM, y[r] = x[r] @ w[e] for the rows r of expert e's group.
+
+    x        [N, D]     rows in expert-major order (rows >= offsets[-1] are never read)
+    w        [E, D, F]  one matrix per expert (a transposed view of the weight is fine)
+    offsets  [E] int32  END row of each expert's group (ops.routing_index's offsets)
+    -> y     [N, F]     rows >= offsets[-1] are left undefined
+
+A custom op around `torch._grouped_mm`, with a fake implementation and registered
+autograd, so torch.compile sees one opaque node of known shape. The aten op alone does not
+compile for float32 (its meta function asks for bf16, though the CPU kernel takes fp32),
+and its backward is two more grouped GEMMs, which this op's backward calls by name:
+
+    dx = grouped_mm(dy, w^T)    dw[e] = x[group e]^T @ dy[group e]   (grouped_mm_weight)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"grouped_mm: x must be [N, D] and w [E, D, F], got {tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"grouped_mm: x and w must share a dtype, got {x.dtype} and {w.dtype}")
+    if offsets.dim() != 1 or offsets.shape[0] != w.shape[0] or offsets.dtype != torch.int32:
+        raise ValueError(f"grouped_mm: offsets must be int32 [E = {w.shape[0]}], got {tuple(offsets.shape)} {offsets.dtype}")
+    if not x.device == w.device == offsets.device:
+        raise ValueError(f"grouped_mm: x, w and offsets must share a device, got {x.device}, {w.device}, {offsets.device}")
+
+
+@torch.library.custom_op("torchtitan_moe::grouped_mm", mutates_args=())
+def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x.contiguous(), w, offs=offsets)
+
+
+@_grouped_mm.register_fake
+def _(x, w, offsets):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+@torch.library.custom_op("torchtitan_moe::grouped_mm_weight", mutates_args=())
+def _grouped_mm_weight(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [N, D], dy [N, F] -> dw [E, D, F]; an expert without rows gets zeros."""
+    return torch._grouped_mm(x.t(), dy, offs=offsets)
+
+
+@_grouped_mm_weight.register_fake
+def _(x, dy, offsets):
+    return x.new_empty(offsets.shape[0], x.shape[1], dy.shape[1])
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
+
+
+def _backward(ctx, dy):
+    x, w, offsets = ctx.saved_tensors
+    dy = dy.contiguous()  # grouped_mm needs 16-byte aligned strides; an autograd seed may be expanded
+    dx = _grouped_mm(dy, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+    dw = _grouped_mm_weight(x, dy, offsets) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_grouped_mm.register_autograd(_backward, setup_context=_setup_context)
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y [N, F] = x [N, D] @ w[e] [D, F] per expert group; see the module docstring."""
+    _check_args(x, w, offsets)
+    return _grouped_mm(x, w, offsets)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 ALIGNMENTS = (8, 16, 32)
+MODEL_NAMES = ("qwen3_moe", "torchtitan_qwen3_moe")
 
 
 class ConfigError(ValueError):
@@ -108,6 +109,12 @@ class Model:
 
 
 @dataclass
+class Metrics:
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s that MFU is measured against (0: torchtitan's dense bf16 figure for the GPU)."""
+
+
+@dataclass
 class Training:
     dataset: str = "synthetic"
     """'synthetic' (learnable Markov stream, no files) or 'text' (local files at dataset_path)."""
@@ -124,6 +131,7 @@ class JobConfig:
     checks: Checks = field(default_factory=Checks)
     data: Data = field(default_factory=Data)
     model: Model = field(default_factory=Model)
+    metrics: Metrics = field(default_factory=Metrics)
     training: Training = field(default_factory=Training)
 
 
@@ -229,7 +237,11 @@ def _need(ok: bool, message: str) -> None:
 def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = None) -> None:
     """Check combinations that cannot train. `flavors` maps flavor names to model args
     (anything with `.moe.num_experts` and `.moe.top_k`)."""
-    _need(cfg.model.name == "qwen3_moe", f"[model] name = {cfg.model.name!r}: torchtitan-moe trains 'qwen3_moe'")
+    _need(
+        cfg.model.name in MODEL_NAMES,
+        f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "
+        "(torchtitan's own, the benchmark baseline)",
+    )
     _need(
         cfg.model.flavor in flavors,
         f"[model] flavor = {cfg.model.flavor!r}: expected one of {', '.join(repr(f) for f in flavors)}",
@@ -247,6 +259,7 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(router.route_scale > 0, f"[router] route_scale = {router.route_scale}: must be > 0")
     _need(router.bias_update_rate >= 0, f"[router] bias_update_rate = {router.bias_update_rate}: must be >= 0 (0: off)")
     _need(router.aux_loss_coeff >= 0, f"[router] aux_loss_coeff = {router.aux_loss_coeff}: must be >= 0 (0: off)")
+    _need(cfg.metrics.peak_tflops >= 0, f"[metrics] peak_tflops = {cfg.metrics.peak_tflops}: must be >= 0 (0: from the GPU)")
     _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
 
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):

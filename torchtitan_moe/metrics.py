@@ -1,8 +1,12 @@
 """The step line and the per-step record: torchtitan's metrics plus what MoE training needs.
 
-    step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  tflops: 0.11
+    step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  tflops: 312.4  mfu: 31.6%
           | moe aux: 1.003  load max/mean: 1.21  cv: 0.09  dead: 0  ep max/mean: 1.04
           | ranks grad max/min: 1.3          (monitor steps only)
+
+MFU is model FLOPs per second (6 x active parameters + attention, per token) over a peak
+named once at the start: `[metrics] peak_tflops`, or torchtitan's table for the GPU's name
+(dense bf16: 989 for H100 SXM and H200). On a CPU there is no peak and no MFU.
 
 Rank 0 also appends every logged step to `<dump_folder>/metrics.jsonl` (full precision),
 which the parity harness and the tests read. The MoE numbers come from the statistics the
@@ -47,6 +51,8 @@ class MoEMetricsProcessor(MetricsProcessor):
         # [W, 2] per-rank (loss share, local grad norm), set by the trainer on monitor steps.
         self.rank_stats: torch.Tensor | None = None
         self.last_logged_step: int | None = None  # monitor steps make the log interval uneven
+        self.gpu_peak_flops = peak_flops(job_config.metrics.peak_tflops, self.gpu_peak_flops,
+                                         self.device_memory_monitor.device_name)
 
     def should_log(self, step: int) -> bool:
         # Monitor steps are always logged, so their per-rank numbers reach the step line.
@@ -83,7 +89,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             "grad_norm": grad_norm,
             "throughput(tps)": tps,
             "tflops": tflops,
-            "mfu(%)": 100 * tflops * 1e12 / self.gpu_peak_flops,
+            **({"mfu(%)": 100 * tflops * 1e12 / self.gpu_peak_flops} if self.gpu_peak_flops else {}),
             "time_metrics/end_to_end(s)": elapsed / (step - self.last_logged_step if self.last_logged_step else 1),
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_active(GiB)": mem.max_active_gib,
@@ -99,6 +105,8 @@ class MoEMetricsProcessor(MetricsProcessor):
             f"{c.orange}grad_norm: {grad_norm:7.4f}  {c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB  "
             f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {tflops:,.2f}{c.reset}"
         )
+        if "mfu(%)" in metrics:
+            line += f"  {c.magenta}mfu: {metrics['mfu(%)']:.1f}%{c.reset}"
         if "moe/load_cv" in metrics:
             line += "  | moe"
             if "moe/aux_loss" in metrics:
@@ -130,6 +138,19 @@ class MoEMetricsProcessor(MetricsProcessor):
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+
+
+def peak_flops(override_tflops: float, table_flops: float, device_name: str) -> float | None:
+    """The peak MFU is measured against, logged once: the override, else torchtitan's table
+    entry for this GPU; None on a CPU (no MFU there)."""
+    if override_tflops > 0:
+        logger.info(f"MFU against a peak of {override_tflops:g} TFLOP/s ([metrics] peak_tflops)")
+        return override_tflops * 1e12
+    if not torch.cuda.is_available():
+        return None
+    logger.info(f"MFU against a peak of {table_flops / 1e12:g} TFLOP/s, torchtitan's dense bf16 figure for "
+                f"{device_name!r}; set [metrics] peak_tflops to use another")
+    return table_flops
 
 
 def build_metrics_processor(job_config, parallel_dims, model_args=None, tag: str | None = None) -> MoEMetricsProcessor:

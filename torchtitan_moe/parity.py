@@ -64,8 +64,8 @@ def override(key: str, value: str) -> list[str]:
     return [f"--{key}", value]
 
 
-def launch(config: str, dump: Path, overrides: list[str], nproc: int, log: Path) -> None:
-    """Train one setting; stop the harness with the log's tail if it fails."""
+def run_training(config: str, dump: Path, overrides: list[str], nproc: int, log: Path) -> int:
+    """Train one setting (torchrun for nproc > 1), output in `log`; returns the exit status."""
     cmd = [sys.executable, "-m", "torchtitan_moe.train"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
         "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "torchtitan_moe.train",
@@ -76,10 +76,18 @@ def launch(config: str, dump: Path, overrides: list[str], nproc: int, log: Path)
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def log_tail(log: Path, lines: int = 25) -> str:
+    return "\n".join(log.read_text().splitlines()[-lines:])
+
+
+def launch(config: str, dump: Path, overrides: list[str], nproc: int, log: Path) -> None:
+    """Train one setting; stop the harness with the log's tail if it fails."""
+    code = run_training(config, dump, overrides, nproc, log)
     if code != 0:
-        tail = log.read_text().splitlines()[-25:]
-        raise SystemExit(f"parity: run failed (exit {code}), log {log}:\n" + "\n".join(tail))
+        raise SystemExit(f"parity: run failed (exit {code}), log {log}:\n" + log_tail(log))
 
 
 def read_metrics(dump: Path) -> list[dict]:

@@ -29,6 +29,9 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import apply_ac
 from torchtitan.models.moe import MoE as TorchtitanMoE
 from torchtitan.models.moe import MoEArgs as TorchtitanMoEArgs
+from torchtitan.models.qwen3 import Qwen3Model as TorchtitanQwen3Model
+from torchtitan.models.qwen3 import Qwen3ModelArgs as TorchtitanQwen3ModelArgs
+from torchtitan.models.qwen3 import parallelize_qwen3 as torchtitan_parallelize_qwen3
 from torchtitan.models.qwen3.model.model import Attention, precompute_rope_cache
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model import BaseModelArgs, ModelProtocol
@@ -56,6 +59,8 @@ __all__ = [
     "TorchtitanJobConfig",
     "TorchtitanMoE",
     "TorchtitanMoEArgs",
+    "TorchtitanQwen3Model",
+    "TorchtitanQwen3ModelArgs",
     "apply_ac",
     "build_cross_entropy_loss",
     "build_lr_schedulers",
@@ -70,6 +75,7 @@ __all__ = [
     "merged_config_class",
     "precompute_rope_cache",
     "register_train_spec",
+    "torchtitan_parallelize_qwen3",
     "trunc_normal_",
     "use_sum_reductions",
 ]

@@ -123,13 +123,18 @@ def single_process_env() -> None:
 
 def prepare(argv: list[str] | None = None):
     """Environment, torchtitan registration and the checked job config."""
-    from torchtitan_moe.models.qwen3_moe import register
+    from torchtitan_moe.models import baseline, qwen3_moe
 
     check_torchtitan_version()
     single_process_env()
     enable_cpu_training()
-    register()
-    return load_job_config(argv)
+    qwen3_moe.register()
+    baseline.register()
+    config = load_job_config(argv)
+    if config.model.name == baseline.NAME and not torch.cuda.is_available():
+        raise ConfigError(f"[model] name = {baseline.NAME!r} needs a CUDA GPU: torchtitan 0.2.2's MoE counts "
+                          "tokens with torch.histc, which has no CPU kernel for int64")
+    return config
 
 
 def run(config) -> None:

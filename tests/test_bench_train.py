@@ -1,0 +1,42 @@
+"""bench_train: variants, summaries and one real CPU run of ours (torchtitan's MoE needs CUDA)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_moe.bench_train import Variant, main, summarize, table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_variants_set_the_model_router_and_mode():
+    assert Variant("torchtitan", "balanced", "compiled").overrides() == [
+        "--model.name", "torchtitan_qwen3_moe", "--debug.moe_force_load_balance", "--compile.enable"]
+    assert Variant("all_to_all", "learned", "eager").overrides() == [
+        "--model.name", "qwen3_moe", "--dispatch.backend", "all_to_all", "--compile.no-enable"]
+
+
+def test_summary_takes_medians_after_warmup_and_ratios_to_torchtitan():
+    records = [{"step": s, "throughput(tps)": tps, "tflops": tps / 100, "mfu(%)": tps / 1000,
+                "memory/max_reserved(GiB)": mem, "loss": 10 - s}
+               for s, tps, mem in [(1, 10.0, 5.0), (2, 1000.0, 7.0), (3, 3000.0, 6.0), (4, 2000.0, 6.0)]]
+    s = summarize(records, warmup=1)
+    assert s["tps"] == 2000.0 and s["mfu"] == 2.0 and s["memory_gib"] == 7.0 and s["final_loss"] == 6
+    tt = Variant("torchtitan", "learned", "eager")
+    ours = Variant("all_to_all", "learned", "eager")
+    report = table([tt, ours], {tt.name: {**s, "tps": 1000.0}, ours.name: s})
+    assert "| ours/all_to_all learned eager | 2,000 |" in report and "| 2.00x | - |" in report
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; GPU results are in the worklogs")
+def test_cpu_run_writes_the_table(tmp_path):
+    code = main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager",
+                 "--steps", "4", "--warmup", "1", "--nproc", "2", "--out", str(tmp_path)])
+    assert code == 0
+    results = json.loads((tmp_path / "bench_train.json").read_text())
+    assert set(results) == {"ours/local learned eager", "ours/local balanced eager"}
+    assert all(r["steps"] == 4 and r["tps"] > 0 for r in results.values())
+    assert "| ours/local balanced eager |" in (tmp_path / "bench_train.md").read_text()

@@ -1,0 +1,181 @@
+"""Training-step benchmark: torchtitan's own Qwen3-MoE against ours, same config, same tokens.
+
+    python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
+        [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
+        [--modes eager,compiled] [--out DIR] [-- --section.key value ...]
+
+Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
+dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
+one after the other on this node, from the same config and data, and prints one table:
+tokens/s/GPU (median of the steps after --warmup), TFLOP/s, MFU, peak memory and the final
+loss, with the ratios to torchtitan eager and compiled with the same router, measured in
+this run. Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
+the variants should train alike) to --out. A variant that fails is reported as failed, with
+its log, and the others still run. torchtitan's MoE runs on CUDA only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchtitan_moe.parity import log_tail, read_metrics, run_training
+
+MODELS = ("torchtitan", "local", "all_to_all", "deepep")
+ROUTERS = ("learned", "balanced")
+MODES = ("eager", "compiled")
+
+
+@dataclass
+class Variant:
+    model: str  # "torchtitan" or one of our dispatchers
+    router: str
+    mode: str
+
+    @property
+    def name(self) -> str:
+        model = "torchtitan" if self.model == "torchtitan" else f"ours/{self.model}"
+        return f"{model} {self.router} {self.mode}"
+
+    def overrides(self) -> list[str]:
+        ours = self.model != "torchtitan"
+        args = ["--model.name", "qwen3_moe" if ours else "torchtitan_qwen3_moe"]
+        if ours:
+            args += ["--dispatch.backend", self.model]
+        if self.router == "balanced":
+            args += ["--router.force_balance"] if ours else ["--debug.moe_force_load_balance"]
+        args += ["--compile.enable"] if self.mode == "compiled" else ["--compile.no-enable"]
+        return args
+
+
+def available_models(ep: int) -> list[str]:
+    ours = ["local"] if ep == 1 else ["all_to_all"] + (["deepep"] if importlib.util.find_spec("deep_ep") else [])
+    return (["torchtitan"] if torch.cuda.is_available() else []) + ours
+
+
+def summarize(records: list[dict], warmup: int) -> dict:
+    timed = [r for r in records if r["step"] > warmup] or records
+    result = {
+        "tps": statistics.median(r["throughput(tps)"] for r in timed),
+        "tflops": statistics.median(r["tflops"] for r in timed),
+        "memory_gib": max(r["memory/max_reserved(GiB)"] for r in records),
+        "final_loss": records[-1]["loss"],
+        "steps": records[-1]["step"],
+        "losses": [r["loss"] for r in records],
+    }
+    if "mfu(%)" in timed[0]:
+        result["mfu"] = statistics.median(r["mfu(%)"] for r in timed)
+    return result
+
+
+def ratio(value: float, base: dict | None) -> str:
+    return f"{value / base['tps']:.2f}x" if base and "tps" in base else "-"
+
+
+def table(variants: list[Variant], results: dict[str, dict]) -> str:
+    lines = ["| variant | tokens/s/GPU | TFLOP/s | MFU | peak memory GiB | final loss | / tt eager | / tt compiled |",
+             "|---|---|---|---|---|---|---|---|"]
+    for v in variants:
+        r = results[v.name]
+        if "failed" in r:
+            lines.append(f"| {v.name} | failed: {r['failed']} | | | | | | |")
+            continue
+        eager = results.get(Variant("torchtitan", v.router, "eager").name)
+        compiled = results.get(Variant("torchtitan", v.router, "compiled").name)
+        mfu = f"{r['mfu']:.1f}%" if "mfu" in r else "-"
+        lines.append(f"| {v.name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {mfu} | {r['memory_gib']:.1f} | "
+                     f"{r['final_loss']:.4f} | {ratio(r['tps'], eager)} | {ratio(r['tps'], compiled)} |")
+    return "\n".join(lines)
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for name, r in results.items():
+        if "losses" in r:
+            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, linestyle="--" if name.startswith("torchtitan") else "-")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("training loss, same config and tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    extra = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, extra = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.bench_train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    parser.add_argument("--nproc", type=int, default=None, help="processes (default: the GPUs here)")
+    parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all that run here)")
+    parser.add_argument("--routers", default="learned,balanced")
+    parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--out", default="outputs/bench_train")
+    args = parser.parse_args(argv)
+    args.extra = extra
+    for key, allowed in (("routers", ROUTERS), ("modes", MODES), ("models", MODELS)):
+        value = getattr(args, key)
+        if value is not None and not set(value.split(",")) <= set(allowed):
+            parser.error(f"--{key} {value}: expected a comma list of {', '.join(allowed)}")
+    return args
+
+
+def expert_parallel_degree(config: str, extra: list[str]) -> int:
+    from torchtitan_moe.config_loader import read_toml
+
+    for i, arg in enumerate(extra[:-1]):
+        if arg == "--parallelism.expert_parallel_degree":
+            return int(extra[i + 1])
+    return read_toml(config).get("parallelism", {}).get("expert_parallel_degree", 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    nproc = args.nproc or max(torch.cuda.device_count(), 1)
+    models = args.models.split(",") if args.models else available_models(expert_parallel_degree(args.config, args.extra))
+    variants = [Variant(m, r, mode) for m in models for r in args.routers.split(",") for mode in args.modes.split(",")]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    for i, v in enumerate(variants, 1):
+        slug = v.name.replace("/", "_").replace(" ", "_")
+        dump, log = out / slug, out / f"{slug}.log"
+        (dump / "metrics.jsonl").unlink(missing_ok=True)
+        print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes", flush=True)
+        overrides = [*v.overrides(), "--training.steps", str(args.steps), "--metrics.log_freq", "1", *args.extra]
+        code = run_training(args.config, dump, overrides, nproc, log)
+        if code != 0 or not (dump / "metrics.jsonl").exists():
+            results[v.name] = {"failed": f"exit {code}, {log}"}
+            print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
+            continue
+        results[v.name] = summarize(read_metrics(dump), args.warmup)
+        print(f"  {results[v.name]['tps']:,.0f} tokens/s/GPU", flush=True)
+
+    report = table(variants, results)
+    print(report)
+    header = f"config: {args.config} {' '.join(args.extra)}\nsteps: {args.steps}, medians after step {args.warmup}, {nproc} processes\n\n"
+    (out / "bench_train.md").write_text(header + report + "\n")
+    (out / "bench_train.json").write_text(json.dumps(results, indent=1))
+    if importlib.util.find_spec("matplotlib"):
+        plot(results, out / "bench_train.png")
+    return 1 if any("failed" in r for r in results.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import statistics
 import json
 import os
 import subprocess
@@ -29,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+
+SPEED_WARMUP = 5  # steps left out of the speed summary (compilation, allocator warm-up)
 
 
 @dataclass
@@ -159,6 +163,11 @@ def table(names: list[str], runs: list[list[dict]], comparisons: list[Comparison
         verdict = "ok" if c.ok(args.loss_rtol, args.grad_rtol) else "OUTSIDE TOLERANCE"
         lines.append(f"| {c.name} | {c.loss:.2e} | {c.grad_norm:.2e} | {aux} | {c.load:.2e} | "
                      f"{'=' if c.loss_bitwise else 'no'} | {verdict} |")
+    lines += ["", f"speed, median of steps after {SPEED_WARMUP} (bench_train is the benchmark):", "",
+              "| setting | tokens/s/GPU | peak memory GiB |", "|---|---|---|"]
+    for name, run in zip(names, runs):
+        timed = [r["throughput(tps)"] for r in run if r["step"] > SPEED_WARMUP] or [r["throughput(tps)"] for r in run]
+        lines.append(f"| {name} | {statistics.median(timed):,.0f} | {max(r['memory/max_reserved(GiB)'] for r in run):.1f} |")
     return "\n".join(lines)
 
 

@@ -2,15 +2,17 @@
 
     index = routing_index(experts [T, K], E, align)     expert-major row layout
     xs    = gather_rows(x [T, D], index)                [N, D] rows by expert
-    ab    = grouped_mm(xs, w13)                         [N, 2I]
+    ab    = grouped_mm(xs, w13, index.offsets)          [N, 2I]
     h     = swiglu_prob(ab, probs [N], index.num_rows)  [N, I]
-    y     = grouped_mm(h, w2)                           [N, D]
+    y     = grouped_mm(h, w2, index.offsets)            [N, D]
     out   = combine(y, index)                           [T, D] sum over each token's K rows
 
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
-torch ops). <op>.py holds the API, the argument checks and the reference; <op>_triton.py
-the kernels and their autograd.Function, imported on first use, so backend="torch" works
-where Triton is not installed. Deterministic: no atomics, every output element written
+torch ops). <op>.py holds the API, the argument checks, the reference and the
+`torch.library` custom op (fake implementation, registered autograd: one opaque node for
+torch.compile) around the kernels; <op>_triton.py the kernels and their launchers,
+imported on first use, so backend="torch" works where Triton is not installed.
+grouped_mm is a custom op around torch._grouped_mm (whose meta function refuses fp32). Deterministic: no atomics, every output element written
 once. Rows past num_rows (garbage of torch._grouped_mm) are never read. Imports only
 torch and triton, so the package can be lifted into any training stack.
 """

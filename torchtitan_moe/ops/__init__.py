@@ -12,8 +12,8 @@ torch ops). <op>.py holds the API, the argument checks, the reference and the
 `torch.library` custom op (fake implementation, registered autograd: one opaque node for
 torch.compile) around the kernels; <op>_triton.py the kernels and their launchers,
 imported on first use, so backend="torch" works where Triton is not installed.
-grouped_mm is a custom op around torch._grouped_mm (whose meta function refuses fp32). Deterministic: no atomics, every output element written
-once. Rows past num_rows (garbage of torch._grouped_mm) are never read. Imports only
+grouped_mm is a custom op around torch._grouped_mm (whose meta function refuses fp32).
+Deterministic: no atomics, every output element written once. Rows past num_rows (garbage of torch._grouped_mm) are never read. Imports only
 torch and triton, so the package can be lifted into any training stack.
 """
 

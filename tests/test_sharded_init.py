@@ -1,5 +1,7 @@
-"""Sharded init: the debug model's initial weights on 2 gloo ranks (FSDP2, and EP = 2) equal a
-single process's from the same seed, and no two experts or gate rows are clones."""
+"""Sharded init and the first gradients: on 2 gloo ranks (FSDP2, and EP = 2 with all-to-all) the
+debug model's initial weights equal a single process's from the same seed, no two experts or
+gate rows are clones, and the gradients of one batch split over the ranks equal the single
+process's gradients of the whole batch (FSDP sums, EP exchanges, nothing halved or doubled)."""
 
 import os
 import socket
@@ -8,13 +10,20 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
+from numerics import assert_close_to_max
 from torchtitan_moe.models.sharded_init import full_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ROOT / "configs" / "debug.toml"
+BATCH, SEQ = 4, 32  # the global batch, split over the ranks by sequence
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def free_port() -> int:
@@ -24,7 +33,8 @@ def free_port() -> int:
 
 
 def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str, failures) -> None:
-    """Build the trainer (which initializes the model) and save the full parameters from rank 0."""
+    """Build the trainer (which initializes the model), run one forward/backward on this rank's
+    share of a fixed batch, and save the full parameters and gradients from rank 0."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     from torchtitan_moe.train import MoETrainer, prepare
@@ -34,10 +44,18 @@ def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str
         config = prepare(["--job.config_file", str(DEBUG), "--job.dump_folder", str(Path(out).parent / "dump"),
                           "--checks.router_init", "off", *overrides])
         trainer = MoETrainer(config)
-        full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for name, p in trainer.model_parts[0].named_parameters()}
+        model = trainer.model_parts[0]
+        params = {name: full(p) for name, p in model.named_parameters()}
+        tokens = torch.randint(0, 2048, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        mine = tokens[rank * BATCH // world : (rank + 1) * BATCH // world]
+        logits = model(mine[:, :-1])
+        # Summed over this rank's tokens, divided by the global count (as torchtitan's loss is):
+        # FSDP's summed gradients are then those of the whole batch's mean.
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten(), reduction="sum") / (BATCH * SEQ)
+        loss.backward()
+        grads = {name: full(p.grad) for name, p in model.named_parameters()}
         if rank == 0:
-            torch.save(full, out)
+            torch.save({"params": params, "grads": grads}, out)
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -48,7 +66,7 @@ def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str
             dist.destroy_process_group()
 
 
-def initial_weights(tmp_path: Path, world: int, *overrides: str) -> dict[str, torch.Tensor]:
+def first_step(tmp_path: Path, world: int, *overrides: str) -> dict[str, dict[str, torch.Tensor]]:
     out = tmp_path / f"init_{world}_{'_'.join(overrides).replace('-', '')}.pt"
     failures = mp.get_context("spawn").SimpleQueue()
     try:
@@ -76,15 +94,21 @@ def assert_no_clones(weights: dict[str, torch.Tensor]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks; the GPU tier checks NCCL ranks")
-def test_two_rank_init_equals_one_rank_init(tmp_path):
-    single = initial_weights(tmp_path, 1)
-    assert_no_clones(single)
+def test_two_rank_init_and_gradients_equal_one_rank(tmp_path):
+    single = first_step(tmp_path, 1)
+    assert_no_clones(single["params"])
+    for name, g in single["grads"].items():  # every parameter takes part: none is cut off the graph
+        per_row = g.reshape(g.shape[0], -1).abs().amax(dim=1) if name.endswith(("w13", "w2")) else g.abs().max()
+        assert (per_row > 0).all(), f"{name}: zero gradient"
     for overrides in [(), ("--parallelism.expert_parallel_degree", "2")]:
-        sharded = initial_weights(tmp_path, 2, *overrides)
-        assert_no_clones(sharded)
-        assert sharded.keys() == single.keys()
-        for name in single:
-            assert torch.equal(sharded[name], single[name]), f"{overrides}: {name} differs from the 1-rank init"
+        sharded = first_step(tmp_path, 2, *overrides)
+        assert_no_clones(sharded["params"])
+        assert sharded["params"].keys() == single["params"].keys()
+        for name, expected in single["params"].items():
+            assert torch.equal(sharded["params"][name], expected), f"{overrides}: {name} differs from the 1-rank init"
+        for name, expected in single["grads"].items():
+            # fp32 sums in another order: within 1e-5 of the tensor's largest gradient.
+            assert_close_to_max(sharded["grads"][name], expected, 1e-5, f"{overrides}: grad {name}")
 
 
 def full_tensors_worker(rank: int, world: int, port: int, failures) -> None:

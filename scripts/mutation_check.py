@@ -8,7 +8,7 @@ the script applies the patch to the working tree, runs the tests named for it (p
 restores the file, and records whether they failed ("caught") and the first failing test.
 It prints a table and exits 1 when a mutation survived. The file is restored in a `finally`
 (Ctrl-C and SIGTERM included; `git diff` shows a leftover after a SIGKILL). Each mutation
-runs only its tests: ~15-25 minutes on 2 CPU cores. The table, with what caught each
+runs only its tests: ~10 minutes on 2 CPU cores. The table, with what caught each
 mutation, is in tests/README.md.
 """
 

@@ -51,13 +51,15 @@ def test_debug_model_trains_on_one_gpu_with_triton_kernels(tmp_path):
 
 
 def test_zero_initialized_gate_stops_the_run_before_step_1(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={min(2, torch.cuda.device_count())}",
+    nproc = min(2, torch.cuda.device_count())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "torchtitan_moe.train", "--job.config_file", DEBUG, "--job.dump_folder", str(tmp_path),
            "--metrics.disable_color_printing", "--router.init_std", "0"]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"),
+                            capture_output=True, text=True, timeout=300)
+    output = result.stdout + result.stderr
     assert result.returncode != 0 and not (tmp_path / "metrics.jsonl").exists()
-    assert "layers.0.moe.router: gate weight max |w| = 0 (must be > 0): zero-initialized gate" in result.stdout + result.stderr
+    assert "layers.0.moe.router: gate weight max |w| = 0 (must be > 0): zero-initialized gate" in output
 
 
 def test_two_runs_of_one_setting_are_bitwise_identical(parity_out):

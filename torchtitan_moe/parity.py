@@ -155,14 +155,18 @@ def compare(name: str, base: list[dict], other: list[dict]) -> Comparison:
     )
 
 
+def _steps(run: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in run]
+
+
 def repeat_is_bitwise(run: list[dict], repeat: list[dict]) -> bool:
-    return [(r["step"], r["loss"], r["grad_norm"]) for r in run] == [(r["step"], r["loss"], r["grad_norm"]) for r in repeat]
+    return _steps(run) == _steps(repeat)
 
 
 def first_difference(run: list[dict], repeat: list[dict]) -> str:
-    for a, b in zip(run, repeat):
-        if (a["loss"], a["grad_norm"]) != (b["loss"], b["grad_norm"]):
-            return f"step {a['step']}: loss {a['loss']!r} vs {b['loss']!r}, grad norm {a['grad_norm']!r} vs {b['grad_norm']!r}"
+    for (step, loss, grad), (_, loss2, grad2) in zip(_steps(run), _steps(repeat)):
+        if (loss, grad) != (loss2, grad2):
+            return f"step {step}: loss {loss!r} vs {loss2!r}, grad norm {grad!r} vs {grad2!r}"
     return f"{len(run)} vs {len(repeat)} logged steps"
 
 

@@ -155,12 +155,48 @@ def test_ep_threshold_for_two_ranks_is_halfway_to_all_on_one():
 
 def test_ties_of_a_zero_gate_fire_and_random_scores_are_quiet():
     equal = torch.full((100, 8), 1 / 8)
-    assert ri.count_ties(equal, 2) == 100
+    ties, pairs = ri.count_ties(equal, 2)
+    assert ties == 100 and pairs.sum() == 200  # (1st, 2nd) and (2nd, 3rd) on every token
     random_scores = torch.softmax(torch.randn(100, 8), dim=-1)
-    assert ri.count_ties(random_scores, 2) == 0
-    assert ri.count_ties(equal, 8) == 0  # top-k = all experts: nothing to choose
-    assert statistics(ri.tie_findings("r", 100, 100)) == {"tokens with a tie at the k-th choice"}
-    assert ri.tie_findings("r", 0, 100) == []
+    assert ri.count_ties(random_scores, 2)[0] == 0
+    assert ri.count_ties(equal, 8)[0] == 0  # top-k = all experts: nothing to choose
+    (finding,) = ri.tie_findings("r", 100, 100, pairs)
+    assert finding.statistic == "tokens with tied top-k+1 choices" and finding.value == 1.0
+    assert ri.tie_findings("r", 0, 100, torch.zeros(8, 8, dtype=torch.int64)) == []
+
+
+def test_ties_above_the_kth_choice_count_and_name_the_expert_pair():
+    # Experts 2 and 6 share the top score: a tie at the 1st / 2nd choice, which the k-th vs
+    # (k+1)-th comparison alone never sees.
+    scores = torch.softmax(torch.randn(50, 8), dim=-1)
+    scores[:, [2, 6]] = 0.9
+    ties, pairs = ri.count_ties(scores, 2)
+    assert ties == 50 and pairs[2, 6] == 50 and pairs.sum() == 50
+    (finding,) = ri.tie_findings("layers.1.moe.router", ties, 50, pairs)
+    assert "most often experts 2 and 6 (50 tokens)" in str(finding)
+    assert str(finding).startswith("layers.1.moe.router: tokens with tied top-k+1 choices = 1")
+
+
+def test_duplicated_gate_rows_are_found_with_the_expert_pairs():
+    gate = healthy_gate()
+    gate[4], gate[7] = gate[0], gate[0]  # the clone pattern of a rank-replicated sharded init
+    gate[5] = gate[1]
+    (finding,) = ri.gate_findings("layers.0.moe.router", gate, 0.02)
+    assert finding.statistic == "duplicated gate rows (experts)" and finding.value == "0=4, 0=7, 1=5"
+    assert str(finding).startswith("layers.0.moe.router: duplicated gate rows (experts) = 0=4, 0=7, 1=5")
+    assert ri.duplicated_rows(healthy_gate(128, 2048)) == []
+
+
+def test_probe_finds_the_ties_of_a_model_with_cloned_gate_rows():
+    model = debug_model()
+    gate = model.layers["1"].moe.router.gate.weight
+    with torch.no_grad():
+        gate[3] = gate[5]
+    findings = ri.run_router_init_checks([model], JOB, None, torch.device("cpu"))
+    assert {(f.layer, f.statistic) for f in findings} == {("layers.1.moe.router", "duplicated gate rows (experts)"),
+                                                         ("layers.1.moe.router", "tokens with tied top-k+1 choices")}
+    (ties,) = [f for f in findings if f.statistic.startswith("tokens with tied")]
+    assert "experts 3 and 5" in ties.cause
 
 
 def test_router_math_outside_fp32_fires():
@@ -207,7 +243,7 @@ def test_healthy_debug_model_passes_and_zero_init_fails_on_every_layer():
     for layer in ("layers.0.moe.router", "layers.1.moe.router"):
         found = statistics(f for f in findings if f.layer == layer)
         assert {"gate weight max |w|", "load entropy / ln E", "busiest expert tokens / mean", "load CV",
-                "share of experts with no tokens", "tokens with a tie at the k-th choice"} <= found
+                "share of experts with no tokens", "tokens with tied top-k+1 choices"} <= found
 
 
 def test_probe_leaves_statistics_modes_and_training_untouched():

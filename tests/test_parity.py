@@ -1,18 +1,21 @@
 """Loss and grad-norm parity across EP degrees (CPU, gloo, fp32), and the harness's verdicts."""
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
+from torchtitan_moe import parity
 from torchtitan_moe.parity import compare, main, settings_from
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def records(losses, grads):
-    return [{"step": i + 1, "loss": l, "grad_norm": g, "moe/tokens_per_expert": [[3, 1], [2, 2]]}
+    return [{"step": i + 1, "loss": l, "grad_norm": g, "moe/tokens_per_expert": [[3, 1], [2, 2]],
+             "throughput(tps)": 1000.0, "memory/max_reserved(GiB)": 1.0}
             for i, (l, g) in enumerate(zip(losses, grads))]
 
 
@@ -34,6 +37,56 @@ def test_settings_are_the_product_of_the_varied_values():
 def test_boolean_values_become_flags():
     on, off = settings_from(["compile.enable=true,false"])
     assert on.overrides == ["--compile.enable"] and off.overrides == ["--compile.no-enable"]
+
+
+def fake_launch(launched: list, loss_of=lambda dump: 5.0):
+    """Stands in for a training run: records it and writes the metrics (or the seed) it would."""
+    def launch(config, dump, overrides, nproc, log):
+        launched.append((dump.name, overrides))
+        if "--checkpoint.create_seed_checkpoint" in overrides:
+            (dump / "checkpoint" / "step-0").mkdir(parents=True)
+            return
+        dump.mkdir(parents=True, exist_ok=True)
+        loss = loss_of(dump)
+        lines = [json.dumps(r) for r in records([loss, loss - 1], [1.0, 0.5])]
+        (dump / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return launch
+
+
+def test_seed_checkpoint_is_keyed_by_the_model_args(tmp_path, monkeypatch):
+    launched = []
+    monkeypatch.setattr(parity, "launch", fake_launch(launched))
+    config = str(ROOT / "configs" / "debug.toml")
+    seed = parity.seed_checkpoint(config, tmp_path, [])
+    assert seed.exists() and len(launched) == 1
+    assert json.loads((seed.parents[1] / "model_args.json").read_text())["args"]["moe"]["num_experts"] == 8
+    # The same model (kernels and padding only change how it computes): the seed is reused.
+    assert parity.seed_checkpoint(config, tmp_path, ["--kernels.backend", "triton", "--moe.padding", "always"]) == seed
+    assert len(launched) == 1
+    # Another model, init or seed: a seed checkpoint of its own.
+    others = [["--moe.num_experts", "16"], ["--router.init_std", "0.01"], ["--debug.seed", "7"], ["--moe.inter_dim", "64"]]
+    seeds = {parity.seed_checkpoint(config, tmp_path, o) for o in others}
+    assert len(seeds | {seed}) == 5 and len(launched) == 5
+
+
+def test_deterministic_repeats_the_first_setting_and_fails_when_it_differs(tmp_path, monkeypatch, capsys):
+    argv = [str(ROOT / "configs" / "debug.toml"), "--vary", "parallelism.expert_parallel_degree=1,2",
+            "--nproc", "2", "--out", str(tmp_path), "--no-plot"]
+    launched = []
+    monkeypatch.setattr(parity, "launch", fake_launch(launched))
+    assert main(argv) == 0 and [name for name, _ in launched] == [launched[0][0], "ep1", "ep2"]
+    assert "determinism" not in (tmp_path / "parity.md").read_text()
+
+    launched.clear()
+    assert main([*argv, "--deterministic"]) == 0
+    assert [name for name, _ in launched] == ["ep1", "ep2", "repeat"]  # the seed is reused
+    assert all("--debug.deterministic" in overrides for _, overrides in launched)
+    assert "losses and grad norms bitwise equal" in (tmp_path / "parity.md").read_text()
+
+    monkeypatch.setattr(parity, "launch", fake_launch([], loss_of=lambda dump: 5.0 + (dump.name == "repeat") * 1e-7))
+    assert main([*argv, "--deterministic"]) == 1
+    report = (tmp_path / "parity.md").read_text()
+    assert "NOT DETERMINISTIC: ep=1 trained twice differs: step 1: loss 5.0 vs 5.0000001" in report
 
 
 @pytest.mark.slow

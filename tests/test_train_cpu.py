@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtitan_moe.data.synthetic import chain_entropy
+
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ROOT / "configs" / "debug.toml"
 
@@ -37,13 +39,19 @@ def test_two_process_debug_run_learns(tmp_path):
     records = train(tmp_path / "run", "--training.steps", "30")
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(1, 31))
-    assert losses[0] > 0.9 * math.log(2048)  # starts near uniform over the vocabulary
-    assert losses[-1] < 0.6 * losses[0]  # and learns the stream's structure
+    assert 0.9 * math.log(2048) < losses[0] < 1.1 * math.log(2048)  # starts near uniform over the vocabulary
+    # and learns the stream's structure: within 1.25 nats of its entropy (1.16) by step 30
+    # (2.19 measured). A "loss fell by 40%" bound (4.9) also held for a model with cloned experts.
+    assert losses[-1] < chain_entropy(4) + 1.25, losses
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
     last = records[-1]
     assert last["throughput(tps)"] > 0 and last["memory/max_reserved(GiB)"] > 0
     loads = last["moe/tokens_per_expert"]
     assert len(loads) == 4 and all(sum(layer) == 2 * 8 * 128 * 2 for layer in loads)  # ranks x batch x seq x top-k
+    # A sharded init that gives both ranks the same values makes experts 0-3 clones of 4-7:
+    # their loads repeat with period 4 from step 1 on.
+    for layer in records[0]["moe/tokens_per_expert"]:
+        assert layer[:4] != layer[4:], records[0]["moe/tokens_per_expert"]
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@
         [--vary other.key=a,b] [--steps 20] [--nproc N] [--loss-rtol 1e-5] [--grad-rtol 1e-5] \\
         [--deterministic] [--out DIR] [-- --section.key value ...]
 
-1. One process writes a seed checkpoint (step 0) of the config's model.
+1. One process writes a seed checkpoint (step 0) of the model, kept under --out in a folder
+   named by a hash of the model args and the seed (`seed-<key>`, with `model_args.json`): a
+   seed made for another model is never reused.
 2. Each setting (the product of the --vary lists) trains `--steps` steps on `--nproc`
    processes, loading that seed (`checkpoint.initial_load_path`, `load_only`): the same
    weights and, with the same process count, the same data on every rank.
@@ -13,13 +15,17 @@
    is 1 when a difference is outside the tolerance.
 
 Doubled or halved gradients under expert parallelism (a known failure of EP stacks) show up
-as a grad-norm ratio of 2 from step 1. With `--deterministic`, loss columns that agree
-bitwise are marked `=`.
+as a grad-norm ratio of 2 from step 1. Settings whose losses equal the first setting's to the
+bit are marked `=`. `--deterministic` runs everything with torch's deterministic algorithms
+([debug] deterministic, warn-only for ops that have none) and trains the first setting twice:
+the repeat must match it bitwise (losses and grad norms), or the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import hashlib
 import itertools
 import statistics
 import json
@@ -94,6 +100,42 @@ def launch(config: str, dump: Path, overrides: list[str], nproc: int, log: Path)
         raise SystemExit(f"parity: run failed (exit {code}), log {log}:\n" + log_tail(log))
 
 
+# MoE args that choose how the layer computes, not what its weights are.
+_COMPUTE_ONLY_ARGS = ("kernels", "padding", "align")
+
+
+def model_args_for(config: str, overrides: list[str]) -> dict:
+    """The model args (flavor + [moe], [router], ...) and seed a run of `config` starts from."""
+    from torchtitan_moe.config_loader import load_job_config
+    from torchtitan_moe.models.qwen3_moe import flavor_args
+
+    job = load_job_config(["--job.config_file", config, *overrides])
+    args = flavor_args(job.model.flavor)
+    args.update_from_config(job)
+    fields = dataclasses.asdict(args)
+    for key in _COMPUTE_ONLY_ARGS:
+        fields["moe"].pop(key)
+    return {"model": job.model.name, "flavor": job.model.flavor, "seed": job.debug.seed, "args": fields}
+
+
+def seed_key(model_args: dict) -> str:
+    return hashlib.sha256(json.dumps(model_args, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def seed_checkpoint(config: str, out: Path, overrides: list[str]) -> Path:
+    """The seed checkpoint of the model these overrides give: written once, reused only for it."""
+    model_args = model_args_for(config, overrides)
+    seed_dir = out / f"seed-{seed_key(model_args)}"
+    ckpt = seed_dir / "checkpoint" / "step-0"
+    if not ckpt.exists():
+        print(f"parity: writing the seed checkpoint to {ckpt}", flush=True)
+        launch(config, seed_dir, [*overrides, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                                  "--parallelism.data_parallel_shard_degree", "1",
+                                  "--parallelism.expert_parallel_degree", "1"], 1, out / f"{seed_dir.name}.log")
+        (seed_dir / "model_args.json").write_text(json.dumps(model_args, indent=1, sort_keys=True) + "\n")
+    return ckpt
+
+
 def read_metrics(dump: Path) -> list[dict]:
     with open(dump / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]
@@ -135,6 +177,21 @@ def compare(name: str, base: list[dict], other: list[dict]) -> Comparison:
         load=max(float((load_shares(a) - load_shares(b)).abs().max()) for a, b in zip(base, other)),
         loss_bitwise=all(a["loss"] == b["loss"] for a, b in zip(base, other)),
     )
+
+
+def _steps(run: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in run]
+
+
+def repeat_is_bitwise(run: list[dict], repeat: list[dict]) -> bool:
+    return _steps(run) == _steps(repeat)
+
+
+def first_difference(run: list[dict], repeat: list[dict]) -> str:
+    for (step, loss, grad), (_, loss2, grad2) in zip(_steps(run), _steps(repeat)):
+        if (loss, grad) != (loss2, grad2):
+            return f"step {step}: loss {loss!r} vs {loss2!r}, grad norm {grad!r} vs {grad2!r}"
+    return f"{len(run)} vs {len(repeat)} logged steps"
 
 
 def load_cv(record: dict) -> float:
@@ -210,7 +267,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--nproc", type=int, default=None, help="processes per setting (default: GPUs, else the largest EP)")
     parser.add_argument("--loss-rtol", type=float, default=1e-5)
     parser.add_argument("--grad-rtol", type=float, default=1e-5)
-    parser.add_argument("--deterministic", action="store_true", help="torch deterministic algorithms in every run")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch deterministic algorithms in every run; the first setting is trained twice "
+                             "and must repeat bitwise")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--out", default=None, help="default: outputs/parity/<config name>")
     args = parser.parse_args(argv)
@@ -235,36 +294,36 @@ def main(argv: list[str] | None = None) -> int:
     varied = {f"--{k}" for s in settings for k, _ in s.values} | set(args.extra[::2])
     # EP = 1 needs the local dispatcher, EP > 1 the all-to-all: let 'auto' pick per setting.
     common = [] if "--dispatch.backend" in varied else ["--dispatch.backend", "auto"]
-    common += ["--debug.deterministic"] if args.deterministic else []
+    # Ops without a deterministic implementation only warn: the bitwise repeat is the verdict.
+    common += ["--debug.deterministic", "--debug.deterministic_warn_only"] if args.deterministic else []
     common += args.extra
 
-    seed_dir = out / "seed"
-    seed_ckpt = seed_dir / "checkpoint" / "step-0"
-    if not seed_ckpt.exists():
-        print(f"parity: writing the seed checkpoint to {seed_ckpt}", flush=True)
-        launch(args.config, seed_dir, [*common, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                                       "--parallelism.data_parallel_shard_degree", "1",
-                                       "--parallelism.expert_parallel_degree", "1"], 1, out / "seed.log")
-
-    runs = []
-    for s in settings:
-        dump = out / s.name.replace("=", "").replace(",", "_")
+    def train(s: Setting, dump: Path) -> list[dict]:
+        seed_ckpt = seed_checkpoint(args.config, out, [*common, *s.overrides])
         (dump / "metrics.jsonl").unlink(missing_ok=True)
         print(f"parity: {s.name} on {nproc} processes, {args.steps} steps", flush=True)
         launch(args.config, dump, [*common, *s.overrides, "--training.steps", str(args.steps), "--checkpoint.enable",
                                    "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only"],
                nproc, out / f"{dump.name}.log")
-        runs.append(read_metrics(dump))
+        return read_metrics(dump)
 
+    runs = [train(s, out / s.name.replace("=", "").replace(",", "_")) for s in settings]
     names = [s.name for s in settings]
     comparisons = [compare(n, runs[0], run) for n, run in zip(names[1:], runs[1:])]
     report = table(names, runs, comparisons, args)
+    repeat_ok = True
+    if args.deterministic:
+        repeat = train(settings[0], out / "repeat")
+        repeat_ok = repeat_is_bitwise(runs[0], repeat)
+        report += "\n\n" + (f"determinism: {names[0]} trained twice, losses and grad norms bitwise equal" if repeat_ok
+                             else f"determinism: NOT DETERMINISTIC: {names[0]} trained twice differs: "
+                                  + first_difference(runs[0], repeat))
     print(report)
     (out / "parity.md").write_text(f"python -m torchtitan_moe.parity {' '.join(argv)}\n\n{report}\n")
     if not args.no_plot:
         plot(names, runs, out / "parity.png")
         print(f"parity: plot {out / 'parity.png'}")
-    ok = all(c.ok(args.loss_rtol, args.grad_rtol) for c in comparisons)
+    ok = repeat_ok and all(c.ok(args.loss_rtol, args.grad_rtol) for c in comparisons)
     print("parity: " + ("all settings within tolerance" if ok else "OUTSIDE TOLERANCE"))
     return 0 if ok else 1
 

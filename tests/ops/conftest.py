@@ -1,4 +1,5 @@
-"""Op tests run on the GPU where there is one, else under the Triton interpreter on CPU.
+"""Op tests run on the GPU where there is one, else under the Triton interpreter on CPU
+(tests/conftest.py also skips the `gpu` tests there).
 
 TRITON_INTERPRET must be set before any kernel module is imported (triton.jit reads it
 then), hence here, before the test modules are collected.
@@ -11,15 +12,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
-def pytest_collection_modifyitems(items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -3,10 +3,11 @@
 A zero (or constant) gate makes every score equal; top-k then sends every token to experts
 0..k-1 and, under expert parallelism, every rank's tokens to EP rank 0. Per MoE layer:
 
-    gate weights (no forward):  NaN/inf, all zero, constant, std vs [router] init_std
+    gate weights (no forward):  NaN/inf, all zero, constant, duplicated rows,
+                                std vs [router] init_std
     a probe batch (random tokens through the whole model, no_grad, every rank):
         tokens_per_expert [E] over all ranks -> load entropy, busiest expert, load CV,
-        dead experts, busiest EP rank; ties among the top-k choice values;
+        dead experts, busiest EP rank; ties among each token's top k + 1 choice values;
         scores/probs dtype (router math in fp32); expert bias mean
 
 Each problem is a `Finding`: one line naming the layer, the statistic, its value, the
@@ -47,9 +48,10 @@ MAX_EXPECTED_DEAD = 0.01
 # Busiest EP rank's tokens / mean over EP ranks: at most halfway from balanced (1) to all on
 # one rank (ep), and at most 2 (that rank does twice the expert work; the step waits for it).
 MAX_EP_LOAD_OVER_MEAN = 2.0
-# Tokens whose k-th and (k+1)-th highest choice values (score + expert bias) are equal: top-k
-# then breaks the tie by expert index, not by the router. A zero gate: every token.
-MAX_TIE_FRACTION = 0.5
+# Tokens with two equal values among their k + 1 highest choices (score + expert bias): at the
+# k-th / (k+1)-th, top-k breaks the tie by expert index, not by the router; above, two experts
+# score alike (duplicated gate rows). A zero gate: every token; a healthy fp32 init: none.
+MAX_TIE_FRACTION = 0.01
 # |mean(expert_bias)|: the balancing update (moe/balance.py) keeps it at 0 up to rounding;
 # one full default update step (1e-3) of common drift means something else wrote the bias.
 MAX_BIAS_MEAN = 1e-3
@@ -99,6 +101,12 @@ def gate_findings(layer: str, weight: torch.Tensor, init_std: float, fresh: bool
     if std == 0:
         return [Finding(layer, "gate weight std", 0.0, "must be > 0",
                         "constant gate: every expert gets the same logit, every token the same top-k experts")]
+    duplicates = duplicated_rows(w)
+    if duplicates:
+        pairs = ", ".join(f"{i}={j}" for i, j in duplicates[:4]) + (", ..." if len(duplicates) > 4 else "")
+        return [Finding(layer, "duplicated gate rows (experts)", pairs, "allowed: none",
+                        f"{len(duplicates)} expert pairs have equal gate rows: they tie on every token and "
+                        "train alike (an init that drew the same values on every rank?)")]
     if fresh and init_std > 0:
         ratio = std / init_std
         if not 1 / GATE_STD_RATIO <= ratio <= GATE_STD_RATIO:
@@ -106,6 +114,16 @@ def gate_findings(layer: str, weight: torch.Tensor, init_std: float, fresh: bool
                             f"allowed {1 / GATE_STD_RATIO:g}..{GATE_STD_RATIO:g}",
                             f"gate std {std:.3g} vs configured {init_std:g}: the configured init did not run")]
     return []
+
+
+def duplicated_rows(w: torch.Tensor) -> list[tuple[int, int]]:
+    """w [E, D] -> pairs (i, j), i < j, of equal rows; each row paired with its group's first."""
+    _, group, counts = torch.unique(w, dim=0, return_inverse=True, return_counts=True)
+    pairs = []
+    for g in (counts > 1).nonzero().flatten().tolist():
+        first, *others = (group == g).nonzero().flatten().tolist()
+        pairs += [(first, other) for other in others]
+    return sorted(pairs)
 
 
 def load_findings(layer: str, loads: torch.Tensor, top_k: int, ep: int = 1) -> list[Finding]:
@@ -149,19 +167,29 @@ def load_findings(layer: str, loads: torch.Tensor, top_k: int, ep: int = 1) -> l
     return found
 
 
-def count_ties(choice: torch.Tensor, top_k: int) -> int:
-    """choice [T, E] (score + expert bias) -> tokens whose k-th and (k+1)-th values are equal."""
-    if top_k >= choice.shape[1]:
-        return 0
-    top = choice.topk(top_k + 1, dim=-1).values
-    return int((top[:, top_k - 1] == top[:, top_k]).sum())
+def count_ties(choice: torch.Tensor, top_k: int) -> tuple[int, torch.Tensor]:
+    """choice [T, E] (score + expert bias) -> (tokens with two equal values among their top_k + 1,
+    pairs [E, E] int64: pairs[i, j], i < j, tokens on which experts i and j tie there)."""
+    num_experts = choice.shape[1]
+    pairs = torch.zeros(num_experts, num_experts, dtype=torch.int64, device=choice.device)
+    if top_k >= num_experts:
+        return 0, pairs  # every token gets every expert: nothing to choose
+    top = choice.topk(top_k + 1, dim=-1)
+    tied = top.values[:, 1:] == top.values[:, :-1]  # [T, K]: sorted, so equal values are neighbours
+    a, b = top.indices[:, 1:][tied], top.indices[:, :-1][tied]
+    pairs.index_put_((torch.minimum(a, b), torch.maximum(a, b)), torch.ones_like(a), accumulate=True)
+    return int(tied.any(dim=1).sum()), pairs
 
 
-def tie_findings(layer: str, ties: int, tokens: int) -> list[Finding]:
+def tie_findings(layer: str, ties: int, tokens: int, pairs: torch.Tensor) -> list[Finding]:
+    """ties: tokens with a tie among their top k + 1 choices; pairs [E, E]: per expert pair."""
     share = ties / max(tokens, 1)
     if share > MAX_TIE_FRACTION:
-        return [Finding(layer, "tokens with a tie at the k-th choice", share, f"allowed <= {MAX_TIE_FRACTION}",
-                        "equal scores: top-k picks by expert index (a zero or constant gate, or a saturated sigmoid)")]
+        flat = int(pairs.argmax())
+        i, j = divmod(flat, pairs.shape[1])
+        return [Finding(layer, "tokens with tied top-k+1 choices", share, f"allowed <= {MAX_TIE_FRACTION}",
+                        f"equal scores, most often experts {i} and {j} ({int(pairs[i, j])} tokens): top-k picks "
+                        "by expert index (a zero or constant gate, duplicated gate rows, a saturated sigmoid)")]
     return []
 
 
@@ -200,20 +228,25 @@ def routers(model_parts: list[nn.Module]) -> dict[str, Router]:
 @torch.no_grad()
 def probe_routers(model: nn.Module, tokens: torch.Tensor, group=None) -> dict[str, dict]:
     """Run tokens [B, S] through `model` in eval mode and return, per router, the statistics
-    summed over the ranks of `group`: loads [E] int64, ties, tokens, and the local dtypes.
+    summed over the ranks of `group`: loads [E] int64, ties (tokens with tied top-k+1 choices),
+    tie_pairs [E, E], tokens, and the local dtypes.
 
     Every rank must call this (FSDP all-gathers inside the forward). Eval mode keeps the MoE
     layers from counting the probe into their step statistics; train/eval flags are restored.
     """
     found = routers([model])
-    stats = {name: {"counts": torch.zeros(r.num_experts + 2, dtype=torch.float64, device=tokens.device)}
+    # Per router, one row: loads [E] | tie pairs [E * E] | tied tokens | tokens.
+    stats = {name: {"counts": torch.zeros(r.num_experts * (r.num_experts + 1) + 2, dtype=torch.float64,
+                                          device=tokens.device)}
              for name, r in found.items()}
 
     def hook(name):
         def record(router: Router, args, routing) -> None:
-            counts = stats[name]["counts"]
-            counts[:-2] += routing.tokens_per_expert.double()
-            counts[-2] += count_ties(routing.scores.float() + router.expert_bias, router.top_k)
+            counts, num_experts = stats[name]["counts"], router.num_experts
+            ties, pairs = count_ties(routing.scores.float() + router.expert_bias, router.top_k)
+            counts[:num_experts] += routing.tokens_per_expert.double()
+            counts[num_experts:-2] += pairs.flatten().double()
+            counts[-2] += ties
             counts[-1] += routing.experts.shape[0]
             stats[name]["dtypes"] = (routing.scores.dtype, routing.probs.dtype)
         return record
@@ -233,11 +266,13 @@ def probe_routers(model: nn.Module, tokens: torch.Tensor, group=None) -> dict[st
         dist.all_reduce(packed, group=group)
         for s, row in zip(stats.values(), packed):
             s["counts"] = row
-    return {
-        name: {"loads": s["counts"][:-2].long(), "ties": int(s["counts"][-2]), "tokens": int(s["counts"][-1]),
-               "dtypes": s["dtypes"]}
-        for name, s in stats.items()
-    }
+    result = {}
+    for name, s in stats.items():
+        counts, num_experts = s["counts"], found[name].num_experts
+        result[name] = {"loads": counts[:num_experts].long(), "ties": int(counts[-2]), "tokens": int(counts[-1]),
+                        "tie_pairs": counts[num_experts:-2].long().view(num_experts, num_experts),
+                        "dtypes": s["dtypes"]}
+    return result
 
 
 def run_router_init_checks(model_parts: list[nn.Module], job_config, parallel_dims, device: torch.device,
@@ -275,7 +310,7 @@ def run_router_init_checks(model_parts: list[nn.Module], job_config, parallel_di
         s = stats[name]
         findings += gate_findings(name, weight, router.init_std, fresh)
         findings += load_findings(name, s["loads"], router.top_k, ep)
-        findings += tie_findings(name, s["ties"], s["tokens"])
+        findings += tie_findings(name, s["ties"], s["tokens"], s["tie_pairs"])
         findings += dtype_findings(name, *s["dtypes"])
         findings += bias_findings(name, router.expert_bias)
     return findings

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from torchtitan_moe.models.qwen3_moe.args import Qwen3MoEArgs
+from torchtitan_moe.models.sharded_init import full_tensors
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.torchtitan_compat import Attention, ModelProtocol, precompute_rope_cache, trunc_normal_
 
@@ -67,14 +68,19 @@ class Qwen3MoEModel(ModelProtocol):
         buffer_device = buffer_device or self.rope_cache.device
         with torch.device(buffer_device):
             self.rope_cache = self._rope_cache()
-        nn.init.normal_(self.tok_embeddings.weight)
+        # Sharded parameters are initialized as full tensors, one part at a time: the init is
+        # a single process's from the same seed, whatever the mesh (models/sharded_init.py).
+        with full_tensors(self.tok_embeddings):
+            nn.init.normal_(self.tok_embeddings.weight)
         for layer in self.layers.values():
-            layer.init_weights(buffer_device)
+            with full_tensors(layer):
+                layer.init_weights(buffer_device)
         self.norm.reset_parameters()
         if self.model_args.enable_weight_tying:
             self.output.weight = self.tok_embeddings.weight
         std = self.model_args.dim**-0.5
-        trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        with full_tensors(self.output):
+            trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, V]. Causal SDPA attention only."""

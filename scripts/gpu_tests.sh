@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU tier in one call: bash scripts/gpu_tests.sh [OUT]
+#
+# Runs, on the GPU, the op and layer tests and every file with tests marked `gpu` (what the CPU
+# tier cannot do):
+#   tests/ops            kernels compiled (not interpreted), at Qwen3-30B-A3B sizes, against float64
+#   test_moe_layer       the layer with Triton kernels against the torch reference
+#   test_sharded_init    2 GPUs (NCCL): init equals 1 GPU's, gradients of FSDP and EP = 2 equal 1 GPU's
+#   test_gpu_e2e         the debug model trains on 1 GPU with Triton kernels; a zero gate stops the run;
+#                        two runs are bitwise identical; EP = 2 (all-to-all + Triton) matches EP = 1
+#                        from one seed checkpoint, and activation checkpointing under EP = 2 changes nothing
+# On a 1-GPU machine the 2-GPU tests are skipped, each with its reason in the log and the summary.
+# Uses the image's torch, triton and torchtitan (no install, no network): PYTHON picks the interpreter.
+# OUT (default outputs/gpu_tests) gets the log and junit XML. The last line is the summary;
+# the exit status is pytest's (0: all passed).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-outputs/gpu_tests}}
+py=${PYTHON:-python3}
+# NVLink SHARP / multicast stay off on the lent machines (see the worklogs).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p "$out"
+
+if ! gpus=$("$py" -c "import torch, triton, torchtitan, pytest; n = torch.cuda.device_count(); assert n, 'no CUDA GPU visible'; print(n, 'x', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| triton', triton.__version__)" 2>&1); then
+    echo "gpu tier: not run: $(echo "$gpus" | tail -n 1)"
+    exit 2
+fi
+echo "gpu tier: $gpus"
+
+start=$SECONDS
+files=$(grep -l "pytest.mark.gpu" tests/*.py)
+"$py" -m pytest -q -rs -p no:cacheprovider --junitxml "$out/gpu_tests.xml" tests/ops tests/test_moe_layer.py $files \
+    > "$out/gpu_tests.log" 2>&1
+code=$?
+# Failures (with their assertion text) and skip reasons, then the one summary line.
+grep -E "^(FAILED|ERROR|SKIPPED)|^E  " "$out/gpu_tests.log" | head -n 60
+result=$(tail -n 1 "$out/gpu_tests.log" | tr -d '=' | sed 's/^ *//; s/ *$//')
+skips=$(grep -E "^SKIPPED" "$out/gpu_tests.log" | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+(:[0-9]+)?: //' | sort -u | paste -sd '|' - | sed 's/|/; /g')
+verdict=$([ "$code" -eq 0 ] && echo PASS || echo FAIL)
+echo "gpu tier: $verdict on ${gpus%% |*}: $result${skips:+ (skipped: $skips)}; $((SECONDS - start)) s; log $out/gpu_tests.log"
+exit "$code"

@@ -1,0 +1,197 @@
+"""Break the code on purpose and check that the tests notice: a mutation test of the numerics.
+
+    python scripts/mutation_check.py [--only NAME ...] [--list] [--timeout S]
+
+Each mutation is a one-line source patch (zero the experts' output, drop the router
+probabilities, swap two experts, halve a gradient, skip the bias update, ...). For each one
+the script applies the patch to the working tree, runs the tests named for it (pytest -x),
+restores the file, and records whether they failed ("caught") and the first failing test.
+It prints a table and exits 1 when a mutation survived. The file is restored in a `finally`
+(Ctrl-C and SIGTERM included; `git diff` shows a leftover after a SIGKILL). Each mutation
+runs only its tests: ~10 minutes on 2 CPU cores. The table, with what caught each
+mutation, is in tests/README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # must occur exactly once
+    new: str
+    tests: tuple[str, ...]  # pytest arguments
+
+
+M = Mutation
+MUTATIONS = [
+    # -- the MoE layer: experts, router, balancing ------------------------------------------------
+    M("experts: zero the output", "torchtitan_moe/moe/experts.py",
+      "return torch._grouped_mm(h, w2.transpose(-2, -1), offs=batch.offsets)",
+      "return 0 * torch._grouped_mm(h, w2.transpose(-2, -1), offs=batch.offsets)",
+      ("tests/test_moe_layer.py",)),
+    M("experts: drop the probabilities", "torchtitan_moe/moe/experts.py",
+      "ops.swiglu_prob(ab, batch.probs,", "ops.swiglu_prob(ab, torch.ones_like(batch.probs),",
+      ("tests/test_moe_layer.py",)),
+    M("experts: swap experts 0 and 1 (w13)", "torchtitan_moe/moe/experts.py",
+      "w13, w2 = _local(self.w13), _local(self.w2)",
+      "w13, w2 = _local(self.w13)[[1, 0, *range(2, self.w13.shape[0])]], _local(self.w2)",
+      ("tests/test_moe_layer.py",)),
+    M("router: top-k of the smallest scores", "torchtitan_moe/moe/router.py",
+      "torch.topk(choice, self.top_k, dim=-1)", "torch.topk(choice, self.top_k, dim=-1, largest=False)",
+      ("tests/test_router.py",)),
+    M("router: ignore route_norm", "torchtitan_moe/moe/router.py",
+      "if self.route_norm:", "if False:", ("tests/test_router.py",)),
+    M("router: the expert bias weighs", "torchtitan_moe/moe/router.py",
+      "probs = scores.gather(1, experts)", "probs = (scores + self.expert_bias).gather(1, experts)",
+      ("tests/test_router.py",)),
+    M("router: probabilities carry no gradient", "torchtitan_moe/moe/router.py",
+      "probs = scores.gather(1, experts)", "probs = scores.detach().gather(1, experts)",
+      ("tests/test_router.py", "tests/test_moe_layer.py")),
+    M("layer: aux loss not attached", "torchtitan_moe/moe/layer.py",
+      "out = _AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)", "pass",
+      ("tests/test_moe_layer.py",)),
+    M("balance: skip the bias update", "torchtitan_moe/moe/balance.py",
+      "layer.router.expert_bias.add_(delta - delta.mean())", "pass", ("tests/test_balance.py",)),
+    M("balance: update with the wrong sign", "torchtitan_moe/moe/balance.py",
+      "torch.sign(load.mean() - load)", "torch.sign(load - load.mean())", ("tests/test_balance.py",)),
+    # -- ops: swiglu_prob, gather/combine, routing index (torch references and Triton kernels) ----
+    M("swiglu_prob (torch): drop the probabilities", "torchtitan_moe/ops/swiglu_prob.py",
+      "h = torch.nn.functional.silu(a) * b * torch.where(valid, probs, 0.0)[:, None]",
+      "h = torch.nn.functional.silu(a) * b", ("tests/ops/test_swiglu_prob.py", "-k", "torch")),
+    M("swiglu_prob (triton): drop the probabilities", "torchtitan_moe/ops/swiglu_prob_triton.py",
+      "h = a * tl.sigmoid(a) * b * p", "h = a * tl.sigmoid(a) * b",
+      ("tests/ops/test_swiglu_prob.py", "-k", "triton and dtype2")),  # dtype2: float32
+    M("swiglu_prob (triton): halve dprobs", "torchtitan_moe/ops/swiglu_prob_triton.py",
+      "dp += tl.sum(dh * silu * b, axis=1)", "dp += 0.5 * tl.sum(dh * silu * b, axis=1)",
+      ("tests/ops/test_swiglu_prob.py", "-k", "triton and dtype2")),  # dtype2: float32
+    M("combine (torch): drop the probabilities", "torchtitan_moe/ops/combine.py",
+      "out = out + (rows if probs is None else rows * probs[:, k, None])", "out = out + rows",
+      ("tests/ops/test_combine.py", "-k", "torch")),
+    M("gather_rows (torch): the next token's row", "torchtitan_moe/ops/combine.py",
+      "token = slot.clamp_min(0) // index.top_k", "token = (slot.clamp_min(0) // index.top_k + 1) % x.shape[0]",
+      ("tests/ops/test_combine.py", "-k", "torch")),
+    M("combine (triton): only the first of k terms", "torchtitan_moe/ops/combine_triton.py",
+      "for k in range(K):  # in k order", "for k in range(1):  # in k order",
+      ("tests/ops/test_combine.py", "-k", "triton and dtype1 and plain")),  # dtype1: float32
+    M("routing index (torch): groups in reverse expert order", "torchtitan_moe/ops/permute.py",
+      "order = torch.sort(key, stable=True).indices", "order = torch.sort(key, stable=True, descending=True).indices",
+      ("tests/ops/test_permute.py", "-k", "torch")),
+    # -- expert parallelism, FSDP, sharded init, the model ----------------------------------------
+    M("all-to-all: halve the gradient on the way back", "torchtitan_moe/dispatch/all_to_all.py",
+      "return out, None, None, None, None", "return out * 0.5, None, None, None, None",
+      ("tests/test_all_to_all.py", "-k", "2-none-False-False")),
+    M("all-to-all: rows to the wrong local expert", "torchtitan_moe/dispatch/all_to_all.py",
+      "experts[token] % self.local_experts", "(experts[token] + 1) % self.local_experts",
+      ("tests/test_all_to_all.py", "-k", "2-none-False-False")),
+    M("FSDP: halve every gradient", "torchtitan_moe/models/qwen3_moe/parallelize.py",
+      "module.set_gradient_divide_factor(1.0)", "module.set_gradient_divide_factor(2.0)",
+      ("tests/test_sharded_init.py", "-k", "two_rank")),
+    M("init: per-shard random init (the clone bug)", "torchtitan_moe/models/qwen3_moe/model.py",
+      "with full_tensors(layer):", "with __import__('contextlib').nullcontext():",
+      ("tests/test_sharded_init.py", "-k", "two_rank")),
+    M("init: per-shard random init, seen by the debug run", "torchtitan_moe/models/qwen3_moe/model.py",
+      "with full_tensors(layer):", "with __import__('contextlib').nullcontext():",
+      ("tests/test_train_cpu.py", "-k", "learns")),
+    M("model: the block drops the MoE output", "torchtitan_moe/models/qwen3_moe/model.py",
+      "return x + self.moe(self.ffn_norm(x))", "return x + 0 * self.moe(self.ffn_norm(x))",
+      ("tests/test_sharded_init.py", "-k", "two_rank")),
+    # -- checks and the parity harness -------------------------------------------------------------
+    M("router-init: ties at the k-th choice only", "torchtitan_moe/checks/router_init.py",
+      "tied = top.values[:, 1:] == top.values[:, :-1]",
+      "tied = (top.values[:, 1:] == top.values[:, :-1]) & (torch.arange(top_k, device=choice.device) == top_k - 1)",
+      ("tests/test_checks.py", "-k", "tie")),
+    M("router-init: duplicated gate rows not checked", "torchtitan_moe/checks/router_init.py",
+      "duplicates = duplicated_rows(w)", "duplicates = []", ("tests/test_checks.py", "-k", "duplicated or cloned")),
+    M("parity: grad norms not compared", "torchtitan_moe/parity.py",
+      'grad_norm=max(rel_diff(a["grad_norm"], b["grad_norm"]) for a, b in zip(base, other)),', "grad_norm=0.0,",
+      ("tests/test_parity.py", "-m", "not slow")),
+    M("parity: one seed checkpoint for every model", "torchtitan_moe/parity.py",
+      'seed_dir = out / f"seed-{seed_key(model_args)}"', 'seed_dir = out / "seed"',
+      ("tests/test_parity.py", "-m", "not slow")),
+    M("parity: --deterministic repeat not judged", "torchtitan_moe/parity.py",
+      "repeat_ok = repeat_is_bitwise(runs[0], repeat)", "repeat_ok = True",
+      ("tests/test_parity.py", "-m", "not slow")),
+]
+
+
+def run_tests(tests: tuple[str, ...], timeout: int) -> tuple[bool, str, float]:
+    """(caught, first failing test or why, seconds)."""
+    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    start = time.time()
+    try:
+        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                                env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+    except subprocess.TimeoutExpired:
+        return True, f"timed out after {timeout} s", time.time() - start
+    seconds = time.time() - start
+    if result.returncode == 0:
+        return False, "-", seconds
+    if result.returncode == 5:  # pytest found no test: the selection is wrong, not the code
+        raise SystemExit(f"no test selected by {' '.join(tests)}: fix the mutation's tests")
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.stdout, re.MULTILINE)
+    if failed:
+        return True, failed[0].removeprefix("tests/"), seconds
+    return True, f"pytest exit {result.returncode}: " + (result.stdout.strip().splitlines() or ["?"])[-1], seconds
+
+
+def apply(mutation: Mutation) -> str:
+    """Patch the file; returns its original text."""
+    path = ROOT / mutation.path
+    text = path.read_text()
+    if text.count(mutation.old) != 1:
+        raise SystemExit(f"mutation {mutation.name!r}: {mutation.path} has {text.count(mutation.old)} "
+                         f"copies of the text to replace (need 1): update the mutation")
+    path.write_text(text.replace(mutation.old, mutation.new))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", default=[], help="run mutations whose name contains this")
+    parser.add_argument("--list", action="store_true", help="list the mutations and their tests, run nothing")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per mutation's tests")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.only or any(o in m.name for o in args.only)]
+    if args.list:
+        for m in chosen:
+            print(f"{m.name:55s} {m.path:45s} {' '.join(m.tests)}")
+        return 0
+    for m in chosen:  # every patch still applies before anything is touched
+        if (ROOT / m.path).read_text().count(m.old) != 1:
+            raise SystemExit(f"mutation {m.name!r}: the text to replace is not (once) in {m.path}")
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally that restores the file
+    rows = []
+    for m in chosen:
+        original = apply(m)
+        try:
+            caught, by, seconds = run_tests(m.tests, args.timeout)
+        finally:
+            (ROOT / m.path).write_text(original)
+        rows.append((m, caught, by, seconds))
+        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name} ({seconds:.0f} s): {by}", flush=True)
+
+    print("\n| mutation | file | caught by (first failing test) | verdict |\n|---|---|---|---|")
+    for m, caught, by, _ in rows:
+        print(f"| {m.name} | `{m.path.removeprefix('torchtitan_moe/')}` | `{by}` | {'caught' if caught else 'SURVIVED'} |")
+    survived = [m.name for m, caught, _, _ in rows if not caught]
+    print(f"\n{len(rows) - len(survived)} of {len(rows)} mutations caught" + (f"; survived: {survived}" if survived else ""))
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

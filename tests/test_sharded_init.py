@@ -1,0 +1,159 @@
+"""Sharded init and the first gradients: on 2 gloo ranks (FSDP2, and EP = 2 with all-to-all) the
+debug model's initial weights equal a single process's from the same seed, no two experts or
+gate rows are clones, and the gradients of one batch split over the ranks equal the single
+process's gradients of the whole batch (FSDP sums, EP exchanges, nothing halved or doubled)."""
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
+
+from numerics import assert_close_to_max
+from torchtitan_moe.models.sharded_init import full_tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+DEBUG = ROOT / "configs" / "debug.toml"
+BATCH, SEQ = 4, 32  # the global batch, split over the ranks by sequence
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str, failures) -> None:
+    """Build the trainer (which initializes the model), run one forward/backward on this rank's
+    share of a fixed batch, and save the full parameters and gradients from rank 0."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    from torchtitan_moe.train import MoETrainer, prepare
+
+    trainer = None
+    try:
+        config = prepare(["--job.config_file", str(DEBUG), "--job.dump_folder", str(Path(out).parent / "dump"),
+                          "--checks.router_init", "off", *overrides])
+        trainer = MoETrainer(config)
+        model = trainer.model_parts[0]
+        params = {name: full(p) for name, p in model.named_parameters()}
+        tokens = torch.randint(0, 2048, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+        mine = tokens[rank * BATCH // world : (rank + 1) * BATCH // world].to(trainer.device)
+        logits = model(mine[:, :-1])
+        # Summed over this rank's tokens, divided by the global count (as torchtitan's loss is):
+        # FSDP's summed gradients are then those of the whole batch's mean.
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten(), reduction="sum") / (BATCH * SEQ)
+        loss.backward()
+        grads = {name: full(p.grad) for name, p in model.named_parameters()}
+        if rank == 0:
+            torch.save({"params": params, "grads": grads}, out)
+    except BaseException as e:
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def first_step(tmp_path: Path, world: int, *overrides: str) -> dict[str, dict[str, torch.Tensor]]:
+    out = tmp_path / f"init_{world}_{'_'.join(overrides).replace('-', '')}.pt"
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(init_worker, args=(world, free_port(), list(overrides), str(out), failures), nprocs=world)
+    except Exception:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        pytest.fail("\n".join(messages) or "a rank failed")
+    return torch.load(out)
+
+
+def assert_no_clones(weights: dict[str, torch.Tensor]) -> None:
+    """No two experts' weights and no two gate rows are equal, in any layer."""
+    checked = 0
+    for name, w in weights.items():
+        if name.endswith(("experts.w13", "experts.w2", "router.gate.weight")):
+            rows = w.reshape(w.shape[0], -1)
+            same = (rows[:, None, :] == rows[None, :, :]).all(dim=-1)
+            pairs = same.triu(diagonal=1).nonzero().tolist()
+            assert not pairs, f"{name}: rows {pairs} are equal"
+            checked += 1
+    assert checked == 12  # 4 layers x (w13, w2, gate)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks; the GPU test below takes NCCL ranks")
+def test_two_rank_init_and_gradients_equal_one_rank(tmp_path):
+    check_first_step(tmp_path, grad_rel=1e-5)  # fp32 sums in another order
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2-GPU init and gradients need 2 GPUs")
+def test_two_gpu_init_and_gradients_equal_one_gpu(tmp_path):
+    # cuBLAS picks its kernels by shape: half the batch is summed in other orders.
+    check_first_step(tmp_path, grad_rel=1e-4)
+
+
+def check_first_step(tmp_path: Path, grad_rel: float) -> None:
+    single = first_step(tmp_path, 1)
+    assert_no_clones(single["params"])
+    for name, g in single["grads"].items():  # every parameter takes part: none is cut off the graph
+        per_row = g.reshape(g.shape[0], -1).abs().amax(dim=1) if name.endswith(("w13", "w2")) else g.abs().max()
+        assert (per_row > 0).all(), f"{name}: zero gradient"
+    for overrides in [(), ("--parallelism.expert_parallel_degree", "2")]:
+        sharded = first_step(tmp_path, 2, *overrides)
+        assert_no_clones(sharded["params"])
+        assert sharded["params"].keys() == single["params"].keys()
+        for name, expected in single["params"].items():
+            assert torch.equal(sharded["params"][name], expected), f"{overrides}: {name} differs from the 1-rank init"
+        for name, expected in single["grads"].items():
+            assert_close_to_max(sharded["grads"][name], expected, grad_rel, f"{overrides}: grad {name}")
+
+
+def full_tensors_worker(rank: int, world: int, port: int, failures) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        # a = -std, b = std: trunc_normal_ redraws most values, in a loop that runs until the
+        # whole tensor is in bounds (one rank's shard is sooner).
+        torch.manual_seed(7)
+        expected = torch.nn.init.trunc_normal_(torch.empty(8, 6, 5), std=0.5, a=-0.5, b=0.5)
+        after = torch.rand(3)
+        for placement in (Shard(0), Shard(1)):
+            module = torch.nn.Linear(5, 6)
+            module.weight = torch.nn.Parameter(distribute_tensor(torch.empty(8, 6, 5), mesh, [placement]))
+            torch.manual_seed(7)
+            with full_tensors(module):
+                assert not isinstance(module.weight, DTensor)
+                torch.nn.init.trunc_normal_(module.weight, std=0.5, a=-0.5, b=0.5)
+            assert isinstance(module.weight, DTensor) and module.weight.placements == (placement,)
+            assert torch.equal(module.weight.full_tensor(), expected), placement
+            assert torch.equal(torch.rand(3), after), "the generator is not where one process leaves it"
+    except BaseException as e:
+        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_full_tensors_gives_each_rank_its_slice_of_one_process_init():
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(full_tensors_worker, args=(2, free_port(), failures), nprocs=2)
+    except Exception:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        pytest.fail("\n".join(messages) or "a rank failed")

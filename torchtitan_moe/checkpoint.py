@@ -29,7 +29,7 @@ import torch
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
 from torchtitan_moe.moe.layer import MoEArgs
-from torchtitan_moe.models.qwen3_moe.state_dict_adapter import args_from_hf_config, arch_differences
+from torchtitan_moe.models.qwen3_moe.state_dict_adapter import args_from_hf_config, arch_differences, hf_config
 from torchtitan_moe.torchtitan_compat import logger
 
 TRAINING_STATE_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -265,15 +265,20 @@ def read_model_args(folder: str) -> Qwen3MoEArgs | None:
     return args
 
 
-def record_model_args(checkpointer, model_args: Qwen3MoEArgs) -> None:
-    """After each save, rank 0 writes the model's args into the step folder (model_args.json)."""
+def record_model_args(checkpointer, model_args: Qwen3MoEArgs, export_dtype: torch.dtype) -> None:
+    """After each save, rank 0 writes the model's args into the step folder (model_args.json),
+    and the config.json that makes a last_save_in_hf export a Hugging Face model folder."""
     save = checkpointer.save
 
     def save_and_record(curr_step: int, last_step: bool = False) -> None:
         save(curr_step, last_step)
         folder = os.path.join(checkpointer.folder, f"step-{curr_step}")
         # The folder exists once a save (sync, or the planning of an async one) has begun.
-        if (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0) and os.path.isdir(folder):
-            write_model_args(folder, model_args)
+        if (torch.distributed.is_initialized() and torch.distributed.get_rank() != 0) or not os.path.isdir(folder):
+            return
+        write_model_args(folder, model_args)
+        if any(name.endswith(".safetensors") for name in os.listdir(folder)):
+            with open(os.path.join(folder, "config.json"), "w") as f:
+                json.dump(hf_config(model_args, export_dtype), f, indent=2)
 
     checkpointer.save = save_and_record

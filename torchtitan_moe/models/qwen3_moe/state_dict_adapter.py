@@ -26,6 +26,7 @@ per-expert tensors (DTensors over the mesh dims that do not split experts), so t
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -88,9 +89,11 @@ class Qwen3MoEStateDictAdapter(StateDictAdapter):
     """torchtitan's StateDictAdapter for qwen3_moe (registered in the TrainSpec)."""
 
     def __init__(self, model_args: Qwen3MoEArgs, hf_assets_path: str | None = None):
-        # torchtitan reads model.safetensors.index.json there, when there is one, to shard a save
-        # like the published checkpoint; our default hf_assets_path "." has none.
-        super().__init__(model_args, hf_assets_path)
+        # torchtitan's base reads model.safetensors.index.json there, to shard a save like the
+        # published checkpoint, and warns on every run without one (our default "." has none).
+        index = hf_assets_path and os.path.isfile(os.path.join(hf_assets_path, "model.safetensors.index.json"))
+        super().__init__(model_args, hf_assets_path if index else None)
+        self.hf_assets_path = hf_assets_path  # where initial_load_in_hf reads without initial_load_path
         self.model_args = model_args
         self._layouts: dict[str, _ExpertLayout] = {}
 

@@ -102,12 +102,13 @@ def groups_by_layer(keys, layer_key: str) -> list[list[str]]:
 
 
 def load_dcp(checkpoint: str, keys: list[str], metadata) -> dict[str, torch.Tensor]:
-    """Full tensors of `keys` from a DCP checkpoint, read in this one process."""
+    """Full tensors of `keys` from a DCP checkpoint, read by this process alone (no collectives,
+    also inside a distributed job)."""
     tensors = {}
     for key in keys:
         md = metadata.state_dict_metadata[key]
         tensors[key] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load(tensors, checkpoint_id=checkpoint)
+    dcp.load(tensors, checkpoint_id=checkpoint, no_dist=True)
     return tensors
 
 
@@ -233,7 +234,7 @@ def load_hf(folder: str, args: Qwen3MoEArgs, dtype: torch.dtype | None = None,
 
 def from_hf(folder: str, out: str, dtype: torch.dtype | None = None, show_progress: bool = True) -> Qwen3MoEArgs:
     args = read_hf_args(folder)
-    dcp.save(load_hf(folder, args, dtype, show_progress), checkpoint_id=out)
+    dcp.save(load_hf(folder, args, dtype, show_progress), checkpoint_id=out, no_dist=True)
     write_model_args(out, args)
     return args
 

@@ -4,6 +4,7 @@ import copy
 import dataclasses
 import json
 import logging
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,3 +165,11 @@ def test_checkpoint_config_defaults_and_refusals(tmp_path):
     ok = parse(tmp_path, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
              "--router.bias_update_rate", "0")
     assert ok.checkpoint.last_save_in_hf
+
+
+def test_progress_bar_without_tqdm(monkeypatch, capsys):
+    from torchtitan_moe import convert
+
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
+    assert list(convert.progress(range(3), "layers")) == [0, 1, 2]
+    assert capsys.readouterr().err.endswith("layers [" + "#" * 30 + "] 3/3\n")

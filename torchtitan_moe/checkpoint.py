@@ -28,8 +28,8 @@ import torch
 
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
-from torchtitan_moe.moe.layer import MoEArgs
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import args_from_hf_config, arch_differences, hf_config
+from torchtitan_moe.moe.layer import MoEArgs
 from torchtitan_moe.torchtitan_compat import logger
 
 TRAINING_STATE_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -172,7 +172,8 @@ def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: in
     if plan is None:
         return None
     if not os.path.isdir(plan.path):
-        raise CheckpointError(f"--checkpoint.initial_load_path {plan.path}: no such folder")
+        flag = "initial_load_path" if plan.step is None else f"load_step {plan.step}"
+        raise CheckpointError(f"--checkpoint.{flag}: {plan.path} does not exist")
     if plan.from_hf:
         _check_hf(plan, model_args)
         return plan
@@ -193,7 +194,7 @@ def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: in
     if plan.model_only:
         return plan
     if "train_state.step" not in keys:
-        earlier = _full_steps_before(os.path.dirname(plan.path), plan.step)
+        earlier = _newest_full_step_before(os.path.dirname(plan.path), plan.step)
         also = f", or resume from step {earlier} (--checkpoint.load_step {earlier})" if earlier is not None else ""
         raise CheckpointError(
             f"{plan.path} holds the model only (no optimizer, step or data position), so it cannot resume "
@@ -209,7 +210,7 @@ def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: in
     return plan
 
 
-def _full_steps_before(folder: str, step: int | None) -> int | None:
+def _newest_full_step_before(folder: str, step: int | None) -> int | None:
     """The newest complete full checkpoint before `step`, if any."""
     for s in sorted(step_folders(folder), reverse=True):
         path = os.path.join(folder, f"step-{s}")

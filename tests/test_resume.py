@@ -39,8 +39,9 @@ def env() -> dict[str, str]:
 
 
 def records(dump: Path) -> list[dict]:
+    """metrics.jsonl's complete lines (a line being written, or cut by a kill, is left out)."""
     with open(dump / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
 
 def by_step(recs: list[dict]) -> dict[int, tuple[float, float]]:
@@ -71,7 +72,9 @@ def killed_run(tmp_path_factory) -> Path:
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    (dump / "killed.jsonl").write_text((dump / "metrics.jsonl").read_text())
+    logged = "".join(json.dumps(r) + "\n" for r in records(dump))  # without a line the kill may have cut
+    (dump / "metrics.jsonl").write_text(logged)
+    (dump / "killed.jsonl").write_text(logged)
     # What a kill during a save leaves: data files, no .metadata (DCP writes it last).
     steps = dump / "checkpoint"
     newest = max(int(p.name.split("-")[1]) for p in steps.iterdir() if (p / ".metadata").exists())
@@ -165,9 +168,11 @@ def test_resume_at_other_world_size(harness, killed_run):
     assert "--checkpoint.exclude_from_loading dataloader" in message
     world = by_step(records(harness / "world"))
     assert sorted(world) == [9, 10]
-    # The 2-rank run goes on from the 1-rank run's weights (far from a fresh model's ln V = 7.6).
+    # The 2-rank run goes on from the 1-rank run's weights, far below a fresh model's ln V = 7.6.
+    # (Lower than the 1-rank run's last loss, too: rank 0 reads again the samples it trained on
+    # first, which is why restarting the data is a flag and not the default.)
     last = by_step(records(killed_run))[8][0]
-    assert all(math.isfinite(loss) and loss < min(1.25 * last, 0.8 * math.log(2048)) for loss, _ in world.values())
+    assert all(math.isfinite(loss) and loss < min(last, 0.8 * math.log(2048)) for loss, _ in world.values())
 
 
 def test_hugging_face_load_and_save_under_expert_parallelism(harness):

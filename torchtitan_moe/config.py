@@ -105,7 +105,17 @@ class Data:
 @dataclass
 class Model:
     hf_assets_path: str = "."
-    """Unused by torchtitan-moe (the tokenizer comes from [data]); '.' keeps torchtitan quiet."""
+    """A Hugging Face model folder: [checkpoint] initial_load_in_hf without initial_load_path loads its
+    weights, and its model.safetensors.index.json (if any) shards a last_save_in_hf export the same
+    way. The tokenizer comes from [data], not from here."""
+
+
+@dataclass
+class Checkpoint:
+    last_save_model_only: bool = False
+    """Save the last step as the model only (weights to export or evaluate) instead of a full
+    checkpoint. torchtitan's default is true; ours is false, so that a finished run can be
+    extended with more steps (optimizer, step and data position included)."""
 
 
 @dataclass
@@ -132,6 +142,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     model: Model = field(default_factory=Model)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
     training: Training = field(default_factory=Training)
 
 
@@ -316,3 +327,26 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(train.seq_len >= 2, f"[training] seq_len = {train.seq_len}: must be >= 2")
     _need(train.local_batch_size >= 1, f"[training] local_batch_size = {train.local_batch_size}: must be >= 1")
     _need(cfg.data.synthetic_successors >= 1, f"[data] synthetic_successors = {cfg.data.synthetic_successors}: must be >= 1")
+
+    ck = cfg.checkpoint
+    _need(
+        not ck.initial_load_in_hf or ck.initial_load_model_only,
+        "[checkpoint] initial_load_in_hf = true loads weights only: leave initial_load_model_only = true",
+    )
+    if ck.last_save_in_hf:
+        _need(
+            ck.last_save_model_only,
+            "[checkpoint] last_save_in_hf = true saves the last step as weights only: also set last_save_model_only "
+            "= true (that step then cannot be resumed; `python -m torchtitan_moe.convert to-hf` exports any full step)",
+        )
+        _need(
+            router.bias_update_rate == 0,
+            f"[checkpoint] last_save_in_hf = true with [router] bias_update_rate = {router.bias_update_rate}: Hugging "
+            "Face Qwen3-MoE has no expert bias, so the export would route unlike the trained model; set "
+            "bias_update_rate = 0, or export later with `python -m torchtitan_moe.convert to-hf STEP OUT --drop-expert-bias`",
+        )
+        _need(
+            router.score_func in (None, "softmax") and router.route_scale == 1.0,
+            "[checkpoint] last_save_in_hf = true: Hugging Face Qwen3-MoE routes with score_func = 'softmax' and "
+            "route_scale = 1.0 only",
+        )

@@ -35,6 +35,7 @@ from torchtitan.models.qwen3 import parallelize_qwen3 as torchtitan_parallelize_
 from torchtitan.models.qwen3.model.model import Attention, precompute_rope_cache
 from torchtitan.models.utils import trunc_normal_
 from torchtitan.protocols.model import BaseModelArgs, ModelProtocol
+from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools import utils as tt_utils
 from torchtitan.tools.logging import init_logger, logger
@@ -54,6 +55,7 @@ __all__ = [
     "OptimizersContainer",
     "ParallelAwareDataloader",
     "ParallelDims",
+    "StateDictAdapter",
     "TrainSpec",
     "Trainer",
     "TorchtitanJobConfig",

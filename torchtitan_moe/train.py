@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from torchtitan_moe.checkpoint import CheckpointError, check_checkpoint_to_load, record_model_args
 from torchtitan_moe.checks import run_router_init_checks
 from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config import ConfigError
@@ -58,6 +59,14 @@ class MoETrainer(Trainer):
         batch_degree = dims.get_mesh("batch").size() if dims.dp_enabled else 1
         MoE.aux_loss_scale = 1.0 / (self.gradient_accumulation_steps * batch_degree)
         self._local_losses: list[torch.Tensor] = []
+        if job_config.checkpoint.enable:
+            record_model_args(self.checkpointer, self.model_args, self.checkpointer.export_dtype)
+
+    def train(self) -> None:
+        # Refuse, in one line, a checkpoint that cannot resume or start this run, before
+        # torchtitan's load fails deep inside DCP (or loads what would train wrong).
+        check_checkpoint_to_load(self.job_config, self.model_args, self.dataloader.dp_world_size)
+        super().train()
 
     def batch_generator(self, data_iterable):
         # torchtitan's train() calls this once, right after it loads the checkpoint and right
@@ -144,6 +153,7 @@ def run(config) -> None:
         if config.checkpoint.create_seed_checkpoint:
             if int(os.environ["WORLD_SIZE"]) != 1:
                 raise ConfigError("[checkpoint] create_seed_checkpoint needs one process (no sharding)")
+            trainer.checkpointer.last_save_model_only = True  # a seed is weights only (step 0)
             trainer.checkpointer.save(curr_step=0, last_step=True)
             logger.info("Created seed checkpoint")
         else:
@@ -172,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     except RouterInitError as e:
         print(e, file=sys.stderr)
         return 1
+    except CheckpointError as e:
+        # Every rank prints it: under torchrun, the first rank to exit gets the others killed.
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

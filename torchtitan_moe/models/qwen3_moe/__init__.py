@@ -10,6 +10,7 @@ from torchtitan_moe.metrics import build_metrics_processor
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
 from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel
 from torchtitan_moe.models.qwen3_moe.parallelize import parallelize_qwen3_moe
+from torchtitan_moe.models.qwen3_moe.state_dict_adapter import Qwen3MoEStateDictAdapter
 from torchtitan_moe.moe.balance import register_balancing_hook
 from torchtitan_moe.torchtitan_compat import (
     TrainSpec,
@@ -66,6 +67,8 @@ def train_spec() -> TrainSpec:
         build_tokenizer_fn=build_tokenizer,
         build_loss_fn=build_cross_entropy_loss,
         build_metrics_processor_fn=build_metrics_processor,
+        # Hugging Face checkpoints in and out: [checkpoint] initial_load_in_hf / last_save_in_hf.
+        state_dict_adapter=Qwen3MoEStateDictAdapter,
     )
 
 

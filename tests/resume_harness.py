@@ -1,0 +1,113 @@
+"""Several training runs in one torchrun launch (CPU test time goes to process start-up, not steps).
+
+    torchrun --standalone --nproc_per_node=2 tests/resume_harness.py PLAN.json
+
+PLAN.json is a list of operations that every rank runs in order:
+    {"train": [override, ...]}                 configs/debug.toml + overrides, as `python -m torchtitan_moe.train`
+    {"refused": [override, ...], "out": path}  a run that must stop with a CheckpointError; rank 0 writes the line
+    {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
+    {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
+    {"split_rows": out}                        the Hugging Face adapter on experts whose rows two ranks split
+Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared.
+"""
+
+import dataclasses
+import gc
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_moe import convert
+from torchtitan_moe.checkpoint import CheckpointError
+from torchtitan_moe.torchtitan_compat import init_logger
+from torchtitan_moe.train import MoETrainer, prepare
+
+DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
+
+
+def train(overrides: list[str]) -> None:
+    trainer = MoETrainer(prepare(["--job.config_file", DEBUG, "--metrics.disable_color_printing", *overrides]))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+
+
+def refused(overrides: list[str], out: str) -> None:
+    try:
+        train(overrides)
+    except CheckpointError as e:
+        if dist.get_rank() == 0:
+            Path(out).write_text(str(e))
+        return
+    raise AssertionError(f"the run {overrides} was not refused")
+
+
+def split_rows(out: str) -> None:
+    """Experts fewer than expert-FSDP ranks: FSDP2 splits w13's rows (gate | up) over ranks.
+    Here 2 ranks split the rows of 2 experts, as (Shard(1) on efsdp, Shard(0) on ep) of a 2 x 1 mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from torchtitan_moe.models.qwen3_moe import Qwen3MoEStateDictAdapter, flavor_args
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("efsdp", "ep"))
+    args = flavor_args("debug")
+    args.moe = dataclasses.replace(args.moe, num_experts=2, top_k=1)
+    inter, dim = args.moe.inter_dim, args.dim
+    g = torch.Generator().manual_seed(0)
+    full = {"layers.0.moe.experts.w13": torch.randn(2, 2 * inter, dim, generator=g),
+            "layers.0.moe.experts.w2": torch.randn(2, dim, inter, generator=g)}
+    placements = [Shard(1), Shard(0)]
+    sharded = {k: distribute_tensor(v, mesh, placements) for k, v in full.items()}
+    adapter = Qwen3MoEStateDictAdapter(args)
+    hf = adapter.to_hf(sharded)
+    w13, w2 = full["layers.0.moe.experts.w13"], full["layers.0.moe.experts.w2"]
+    expected = {}
+    for e in range(2):
+        prefix = f"model.layers.0.mlp.experts.{e}."
+        expected |= {prefix + "gate_proj.weight": w13[e, :inter], prefix + "up_proj.weight": w13[e, inter:],
+                     prefix + "down_proj.weight": w2[e]}
+    to_hf_exact = sorted(hf) == sorted(expected) and all(hf[k].full_tensor().equal(v) for k, v in expected.items())
+    back = adapter.from_hf(hf)
+    round_trip_exact = all(back[k].placements == tuple(placements) and back[k].full_tensor().equal(v)
+                           for k, v in full.items())
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps({"to_hf_exact": to_hf_exact, "round_trip_exact": round_trip_exact}))
+
+
+def main(plan_path: str) -> int:
+    plan = json.loads(Path(plan_path).read_text())
+    init_logger()
+    prepare(["--job.config_file", DEBUG])  # the CPU shim and the TrainSpec, once
+    dist.init_process_group("gloo")  # torchtitan's Trainer reuses it
+    # torchtitan's train() ends with a 2 s sleep on rank 0 "for other ranks"; the barriers here do that.
+    sleep = time.sleep
+    time.sleep = lambda seconds: None if seconds == 2 else sleep(seconds)
+    for i, op in enumerate(plan):
+        print(f"resume_harness: op {i}: {op}", flush=True)
+        if "train" in op:
+            train(op["train"])
+        elif "refused" in op:
+            refused(op["refused"], op["out"])
+        elif dist.get_rank() == 0 and "copy" in op:
+            shutil.copytree(*op["copy"])
+        elif dist.get_rank() == 0 and "to_hf" in op:
+            step, out = op["to_hf"]
+            assert convert.main(["to-hf", step, out, "--dtype", "float32", "--drop-expert-bias"]) == 0
+        elif "split_rows" in op:
+            split_rows(op["split_rows"])
+        dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -20,6 +20,7 @@ from torchtitan_moe.checks import run_router_init_checks
 from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.config_loader import load_job_config
+from torchtitan_moe.models import qwen3_moe
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.torchtitan_compat import (
     Trainer,
@@ -59,13 +60,15 @@ class MoETrainer(Trainer):
         batch_degree = dims.get_mesh("batch").size() if dims.dp_enabled else 1
         MoE.aux_loss_scale = 1.0 / (self.gradient_accumulation_steps * batch_degree)
         self._local_losses: list[torch.Tensor] = []
-        if job_config.checkpoint.enable:
+        self.ours = job_config.model.name == qwen3_moe.NAME  # not the torchtitan_qwen3_moe baseline
+        if job_config.checkpoint.enable and self.ours:
             record_model_args(self.checkpointer, self.model_args, self.checkpointer.export_dtype)
 
     def train(self) -> None:
         # Refuse, in one line, a checkpoint that cannot resume or start this run, before
         # torchtitan's load fails deep inside DCP (or loads what would train wrong).
-        check_checkpoint_to_load(self.job_config, self.model_args, self.dataloader.dp_world_size)
+        if self.ours:  # the baseline's checkpoints are torchtitan's own business
+            check_checkpoint_to_load(self.job_config, self.model_args, self.dataloader.dp_world_size)
         super().train()
 
     def batch_generator(self, data_iterable):
@@ -132,7 +135,7 @@ def single_process_env() -> None:
 
 def prepare(argv: list[str] | None = None):
     """Environment, torchtitan registration and the checked job config."""
-    from torchtitan_moe.models import baseline, qwen3_moe
+    from torchtitan_moe.models import baseline
 
     check_torchtitan_version()
     single_process_env()

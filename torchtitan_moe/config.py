@@ -72,8 +72,8 @@ class Router:
     the step's micro-batches so far, one all-reduce of E counts per layer)."""
 
     balance_loss_coeff: float = 0.0
-    """Weight of the balance loss: > 0 exactly when balance_loss is not 'none' (HF's Qwen3 loss is
-    top_k times ours: its 0.001 is top_k x 0.001 here)."""
+    """Each MoE layer adds coeff x its balance loss (Megatron-LM, DeepSeek-V3); > 0 exactly when
+    balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale."""
 
     z_loss_coeff: float = 0.0
     """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE, OLMoE: 1e-3; 0: off)."""

@@ -2,17 +2,23 @@
 # Router recipes side by side: the same model, seed, data and steps under each balancing recipe.
 #   bash scripts/router_recipes.sh OUT
 #       Qwen3-30B-A3B at 8 layers, one GPU per recipe (two recipes at once where 2 GPUs are
-#       visible), 200 steps of 4 x 512 tokens, bf16 autocast; ~95 GB per GPU (an H200)
+#       visible), 200 steps of 2 micro-batches of 2 x 512 tokens, bf16 autocast; ~95 GB per GPU (H200)
 #   CONFIG=configs/debug.toml BALANCE_COEFF=1e-2 bash scripts/router_recipes.sh OUT
-#       the debug model (on a CPU: 2 gloo processes per recipe)
+#       the debug model, 2 micro-batches of 4 x 128 tokens; on a CPU one process per recipe (NPROC=1:
+#       torch's CPU DTensor init gives every FSDP shard the same random rows, so 2 processes would
+#       train pairs of identical experts)
+# Every step has MICRO_BATCHES (2) micro-batches, so the micro_batch and global_batch losses differ
+# even in one process: the global one counts f over the step's micro-batches so far.
 # -> OUT/router_recipes.md (the table, also printed), OUT/<recipe>.log, OUT/<recipe>/metrics.jsonl
 #
 # Recipes: bias (aux-loss-free expert bias alone, the default), none (no balancing at all),
 # sequence / micro_batch / global_batch balance loss (BALANCE_COEFF, bias off), global_batch+z
 # (plus a 1e-3 z-loss), groups (bias + DeepSeek-V3 group-limited routing, ROUTER_GROUPS="n_groups topk_groups").
-# Environment: CONFIG, STEPS (200), SEQ and BATCH (512 and 4 for the 30B config, else the
-# config's), BALANCE_COEFF (1e-3), ROUTER_GROUPS (8 4; 4 1 for the debug model: a limit binds only when topk_groups < top_k), RECIPES (all),
-# PYTHON (python3), NPROC (processes per recipe on a CPU: 2), TIMEOUT (seconds per recipe: 900).
+# Environment: CONFIG, STEPS (200), SEQ (512 for the 30B config, else the config's), BATCH (local
+# batch: 2 for the 30B config, else 4), MICRO_BATCHES (2), BALANCE_COEFF (1e-3), ROUTER_GROUPS
+# (8 4; 4 1 for the debug model's top-2: a group limit binds only when topk_groups < top_k),
+# RECIPES (all), PYTHON (python3), NPROC (processes per recipe on a CPU: 1), TIMEOUT (seconds per
+# recipe: 900), EXTRA (more --section.key value overrides for every recipe).
 set -uo pipefail
 out=${1:?usage: scripts/router_recipes.sh OUT}
 cd "$(dirname "$0")/.."
@@ -21,8 +27,8 @@ config=${CONFIG:-configs/qwen3_30b_a3b_8l.toml}
 steps=${STEPS:-200}
 coeff=${BALANCE_COEFF:-1e-3}
 case "$config" in
-    *30b*) seq=${SEQ:-512}; batch=${BATCH:-4}; groups=${ROUTER_GROUPS:-8 4} ;;
-    *) seq=${SEQ:-}; batch=${BATCH:-}; groups=${ROUTER_GROUPS:-4 1} ;;
+    *30b*) seq=${SEQ:-512}; batch=${BATCH:-2}; groups=${ROUTER_GROUPS:-8 4} ;;
+    *) seq=${SEQ:-}; batch=${BATCH:-4}; groups=${ROUTER_GROUPS:-4 1} ;;
 esac
 read -r n_groups topk_groups <<< "$groups"
 recipes=(${RECIPES:-bias none sequence micro_batch global_batch global_batch+z groups})
@@ -39,9 +45,7 @@ declare -A overrides=(
 )
 
 ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())") || exit 1
-common=(--training.steps "$steps" --metrics.log_freq 1 --metrics.disable_color_printing)
-[ -n "$seq" ] && common+=(--training.seq_len "$seq")
-[ -n "$batch" ] && common+=(--training.local_batch_size "$batch")
+common=(--training.steps "$steps" --metrics.log_freq 1 --metrics.disable_color_printing ${EXTRA:-})
 if [ "$ngpu" -ge 1 ]; then
     # One GPU per recipe: no expert parallelism, the local dispatcher.
     nproc=1
@@ -56,12 +60,15 @@ if "30b" in sys.argv[1] and gib < 100:
              f"this GPU has {gib:.0f} GiB: use an H200")
 PY
 else
-    nproc=${NPROC:-2}
+    nproc=${NPROC:-1}
     queues=1
     devices=("")
 fi
-echo "router recipes: $config, $steps steps, ${seq:-config} seq x ${batch:-config} batch, coeff $coeff," \
-     "groups $n_groups/$topk_groups, $queues queue(s) of $nproc process(es)"
+micro=${MICRO_BATCHES:-2}
+[ -n "$seq" ] && common+=(--training.seq_len "$seq")
+common+=(--training.local_batch_size "$batch" --training.global_batch_size $(( batch * micro * nproc )))
+echo "router recipes: $config, $steps steps of $micro micro-batches of $batch x ${seq:-(config)} tokens" \
+     "per process, coeff $coeff, groups $n_groups/$topk_groups, $queues queue(s) of $nproc process(es)"
 
 run_queue() {  # run_queue DEVICE RECIPE...: the recipes one after another on one device
     local device=$1; shift

@@ -255,7 +255,8 @@ def test_probe_leaves_statistics_modes_and_training_untouched():
                for s in stats.values())
     assert all(m.training for m in probed.modules())
     for layer in moe_layers([probed]):
-        assert layer.tokens_per_expert.sum() == 0 and layer.aux_loss_sum == 0
+        assert layer.tokens_per_expert.sum() == 0 and (layer.router_loss_sums == 0).all()
+        assert (layer.router.global_counts == 0).all()
         assert layer.router.expert_bias.abs().sum() == 0
     # The same training step on both models gives the same loss and gradients.
     tokens = torch.randint(0, 2048, (2, 64))
@@ -320,6 +321,20 @@ def test_falling_loss_is_quiet_and_loss_and_grad_spikes_warn():
     assert warning.startswith("step 21: loss spike")
     (warning,) = run_monitor(falling[:21], [1.0] * 20 + [20.0])
     assert warning.startswith("step 21: grad_norm spike")
+
+
+def test_router_loss_terms_are_watched_each_on_its_own():
+    monitor = mon.TrainingMonitor(freq=5)
+    warnings, metrics = [], {}
+    for step in range(1, 21):
+        z = 4.4 if step < 20 else 9.0  # logits blow up at step 20; the balance loss stays put
+        metrics, found = monitor.check(step, 2.0, 1.0, router_losses={"balance_loss": 1.02, "z_loss": z})
+        warnings += found
+    assert warnings == ["step 20: router z_loss spike: 9 = 2.0x its EMA 4.4 (warn above 1.5x)"]
+    assert metrics["health/balance_loss_over_ema"] == pytest.approx(1.0)
+    assert metrics["health/z_loss_over_ema"] == pytest.approx(9.0 / 4.4)
+    _, warnings = mon.TrainingMonitor(freq=5).check(3, 2.0, 1.0, router_losses={"balance_loss": math.nan})
+    assert warnings == ["step 3: router balance_loss = nan"]
 
 
 def test_nonfinite_values_name_the_ranks():

@@ -67,6 +67,19 @@ def test_cli_overrides_apply():
         ({"training__dataset": "c4"}, "[training] dataset = 'c4': expected 'synthetic' or 'text'"),
         ({"data__tokenizer": "missing.json"}, "[data] tokenizer = 'missing.json': expected 'bytes' or the path"),
         ({"model__flavor": "huge"}, "[model] flavor = 'huge': expected one of 'debug'"),
+        ({"router__balance_loss": "batch"}, "[router] balance_loss = 'batch': expected 'none' | 'sequence'"),
+        ({"router__balance_loss": "global_batch"}, "[router] balance_loss = 'global_batch' needs balance_loss_coeff > 0"),
+        ({"router__balance_loss_coeff": 0.01}, "[router] balance_loss_coeff = 0.01 has no loss to weigh"),
+        ({"router__balance_loss": "sequence", "router__balance_loss_coeff": -1.0}, "balance_loss_coeff = -1.0: must be >= 0"),
+        ({"router__z_loss_coeff": -0.001}, "[router] z_loss_coeff = -0.001: must be >= 0"),
+        ({"router__n_groups": 3}, "[router] n_groups = 3: must divide [moe] num_experts (8)"),
+        ({"router__n_groups": 0}, "[router] n_groups = 0: must be >= 1"),
+        ({"router__n_groups": 4, "router__topk_groups": 5}, "[router] topk_groups = 5: must be in 1..n_groups (4)"),
+        ({"router__topk_groups": 2}, "[router] topk_groups = 2: must be in 1..n_groups (1)"),
+        ({"router__n_groups": 4, "router__topk_groups": 1, "moe__top_k": 3}, "[moe] top_k = 3: more than topk_groups x experts per group (1 x 2)"),
+        ({"router__n_groups": 4, "router__topk_groups": 3}, "[router] topk_groups = 3: more than top_k (2) groups"),
+        ({"router__n_groups": 4, "router__force_balance": True}, "[router] force_balance sends tokens round-robin"),
+        ({"router__aux_loss_coeff": 0.01}, "[router] aux_loss_coeff was replaced by balance_loss = \"sequence\""),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, changes, expected):
@@ -80,6 +93,24 @@ def test_bad_config_is_one_clear_line(tmp_path, changes, expected):
 def test_unknown_cli_key_is_rejected():
     with pytest.raises(ConfigError, match=r"--moe.experts: unknown key 'experts' in \[moe\]"):
         load_job_config(["--job.config_file", str(DEBUG), "--moe.experts", "4"])
+
+
+def test_replaced_cli_key_names_its_replacement():
+    with pytest.raises(ConfigError, match=r"--router.aux_loss_coeff: \[router\] aux_loss_coeff was replaced by"):
+        load_job_config(["--job.config_file", str(DEBUG), "--router.aux_loss_coeff", "0.01"])
+
+
+def test_router_recipe_reaches_the_model_args():
+    from torchtitan_moe.models.qwen3_moe import flavor_args
+
+    config = load_job_config(["--job.config_file", str(DEBUG), "--router.balance_loss", "global_batch",
+                              "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001",
+                              "--router.n_groups", "4", "--router.topk_groups", "2"])
+    args = flavor_args("debug")
+    args.update_from_config(config)
+    moe = args.moe
+    assert (moe.balance_loss, moe.balance_loss_coeff, moe.z_loss_coeff, moe.n_groups, moe.topk_groups) == (
+        "global_batch", 0.01, 0.001, 4, 2)
 
 
 def test_ep_must_divide_the_process_count(monkeypatch, tmp_path):

@@ -126,12 +126,18 @@ def test_triton_kernels_match_torch_reference():
         assert_close_to_max(a, b, 1e-5, "grad")
 
 
-def test_aux_loss_gradient_reaches_the_gate():
-    layer = make_layer(aux_loss_coeff=0.1)
+@pytest.mark.parametrize("router", [dict(balance_loss="sequence", balance_loss_coeff=0.1), dict(z_loss_coeff=0.01)])
+def test_router_loss_gradient_reaches_the_gate_and_counts_once(router):
+    layer = make_layer(**router)
     x = torch.randn(2, 8, 24)
     layer(x).sum().backward()
     with_aux = layer.router.gate.weight.grad.clone()
     plain = make_layer()
     plain(x).sum().backward()
     assert not torch.allclose(with_aux, plain.router.gate.weight.grad)
-    assert float(layer.aux_loss_sum) > 0
+    # The layer adds aux_loss (scale 1 in one process): the difference is its gradient alone.
+    layer.router.gate.weight.grad = None
+    layer.router(x.reshape(-1, 24), seq_len=8).aux_loss.backward()
+    torch.testing.assert_close(with_aux - plain.router.gate.weight.grad, layer.router.gate.weight.grad,
+                               rtol=1e-4, atol=1e-7)
+    assert (layer.router_loss_sums > 0).sum() == 1

@@ -59,3 +59,18 @@ def test_expert_parallel_bf16_mixed_precision(tmp_path):
     records = train(tmp_path / "run", "--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
                     "--training.mixed_precision_param", "bfloat16")
     assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]
+
+
+@pytest.mark.slow
+def test_router_recipe_terms_are_logged_each_on_its_own(tmp_path):
+    # Global-batch balance loss and z-loss under EP = 2 and 2 micro-batches per step.
+    records = train(tmp_path / "run", "--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
+                    "--training.global_batch_size", "32", "--router.balance_loss", "global_batch",
+                    "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001")
+    for r in records:
+        balance, z = r["moe/balance_loss_per_layer"], r["moe/z_loss_per_layer"]
+        assert len(balance) == len(z) == 4
+        assert r["moe/balance_loss"] == pytest.approx(sum(balance) / 4)
+        assert r["moe/aux_loss"] == pytest.approx(0.01 * r["moe/balance_loss"] + 0.001 * r["moe/z_loss"])
+        assert 0.9 < r["moe/balance_loss"] < 1.5 and 0 < r["moe/z_loss"] < 20  # (ln 8)^2 = 4.3 for small logits
+        assert all(sum(layer) == 2 * 2 * 8 * 128 * 2 for layer in r["moe/tokens_per_expert"])  # counted once

@@ -25,6 +25,12 @@ class ConfigError(ValueError):
     """A config problem, worded as one line naming the key and what is allowed."""
 
 
+# Keys that were replaced, with what replaces them: a config that still names one stops here.
+REPLACED_KEYS = {
+    ("router", "aux_loss_coeff"): 'replaced by balance_loss = "sequence" (its loss) and balance_loss_coeff (its weight)',
+}
+
+
 @dataclass
 class Moe:
     num_experts: int | None = None
@@ -61,8 +67,23 @@ class Router:
     bias_update_rate: float = 1e-3
     """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off)."""
 
-    aux_loss_coeff: float = 0.0
-    """Weight of the sequence-level load-balance loss (0: off)."""
+    balance_loss: Literal["none", "sequence", "micro_batch", "global_batch"] = "none"
+    """Load-balance loss sum_e f_e P_e (1 when balanced), f and P counted per 'sequence' (DeepSeek-V3),
+    per 'micro_batch' (Switch, GShard) or f over the 'global_batch' (Qwen3: all data-parallel ranks and
+    the step's micro-batches so far, one all-reduce of E counts per layer)."""
+
+    balance_loss_coeff: float = 0.0
+    """Each MoE layer adds coeff x its balance loss (Megatron-LM, DeepSeek-V3); > 0 exactly when
+    balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale."""
+
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE, OLMoE: 1e-3; 0: off)."""
+
+    n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts split into this many groups (1: off)."""
+
+    topk_groups: int = 1
+    """Groups a token may use, ranked by the sum of their best top_k // topk_groups choice scores."""
 
     force_balance: bool = False
     """Ignore the scores and send tokens round-robin over experts (benchmarks only)."""
@@ -206,6 +227,8 @@ def check_structure(values: dict[str, Any], config_cls: type, source: str) -> No
             raise ConfigError(f"{source}: [{section}] must be a table of keys, got {table!r}")
         keys = {f.name: f.type for f in dataclasses.fields(section_cls)}
         for key, value in table.items():
+            if (section, key) in REPLACED_KEYS:
+                raise ConfigError(f"{source}: [{section}] {key} was {REPLACED_KEYS[section, key]}")
             if key not in keys:
                 raise ConfigError(
                     f"{source}: unknown key [{section}] {key}; known keys: {', '.join(sorted(keys))}"
@@ -228,6 +251,8 @@ def check_cli_keys(args: list[str], config_cls: type) -> None:
             section = section[3:]
         if section not in sections:
             raise ConfigError(f"{arg}: unknown section '{section}'; known: {', '.join(sorted(sections))}")
+        if (section, key) in REPLACED_KEYS:
+            raise ConfigError(f"{arg}: [{section}] {key} was {REPLACED_KEYS[section, key]}")
         keys = {f.name for f in dataclasses.fields(sections[section])}
         if key.startswith("no_") and key[3:] in keys:  # tyro's negated booleans: --section.no-key
             key = key[3:]
@@ -269,8 +294,14 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(router.init_std >= 0, f"[router] init_std = {router.init_std}: must be >= 0")
     _need(router.route_scale > 0, f"[router] route_scale = {router.route_scale}: must be > 0")
     _need(router.bias_update_rate >= 0, f"[router] bias_update_rate = {router.bias_update_rate}: must be >= 0 (0: off)")
-    _need(router.aux_loss_coeff >= 0, f"[router] aux_loss_coeff = {router.aux_loss_coeff}: must be >= 0 (0: off)")
     _need(cfg.metrics.peak_tflops >= 0, f"[metrics] peak_tflops = {cfg.metrics.peak_tflops}: must be >= 0 (0: from the GPU)")
+    check_router_losses(router)
+    check_groups(router, num_experts, top_k)
+    _need(
+        not (cfg.compile.enable and cfg.activation_checkpoint.mode != "none" and router.balance_loss == "global_batch"),
+        "[router] balance_loss = 'global_batch' with [compile] enable and activation checkpointing: the compiled "
+        "router would count each micro-batch again in the recompute; turn one of the three off",
+    )
     _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
 
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
@@ -350,3 +381,38 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
             "[checkpoint] last_save_in_hf = true: Hugging Face Qwen3-MoE routes with score_func = 'softmax' and "
             "route_scale = 1.0 only",
         )
+
+def check_router_losses(router: Any) -> None:
+    loss, coeff = router.balance_loss, router.balance_loss_coeff
+    _need(coeff >= 0, f"[router] balance_loss_coeff = {coeff}: must be >= 0")
+    _need(
+        not (loss != "none" and coeff == 0),
+        f"[router] balance_loss = {loss!r} needs balance_loss_coeff > 0 (e.g. 1e-3); 'none' turns it off",
+    )
+    _need(
+        not (loss == "none" and coeff > 0),
+        f"[router] balance_loss_coeff = {coeff} has no loss to weigh: set balance_loss (e.g. 'global_batch') or 0",
+    )
+    _need(router.z_loss_coeff >= 0, f"[router] z_loss_coeff = {router.z_loss_coeff}: must be >= 0 (0: off)")
+
+
+def check_groups(router: Any, num_experts: int, top_k: int) -> None:
+    groups, topk_groups = router.n_groups, router.topk_groups
+    _need(groups >= 1, f"[router] n_groups = {groups}: must be >= 1 (1: no groups)")
+    _need(num_experts % groups == 0, f"[router] n_groups = {groups}: must divide [moe] num_experts ({num_experts})")
+    _need(1 <= topk_groups <= groups, f"[router] topk_groups = {topk_groups}: must be in 1..n_groups ({groups})")
+    if groups == 1:
+        return
+    per_group = num_experts // groups
+    _need(
+        top_k <= topk_groups * per_group,
+        f"[moe] top_k = {top_k}: more than topk_groups x experts per group ({topk_groups} x {per_group})",
+    )
+    _need(
+        topk_groups <= top_k,
+        f"[router] topk_groups = {topk_groups}: more than top_k ({top_k}) groups cannot all be used",
+    )
+    _need(
+        not router.force_balance,
+        "[router] force_balance sends tokens round-robin over all experts: it needs n_groups = 1",
+    )

@@ -1,8 +1,11 @@
 """The step line and the per-step record: torchtitan's metrics plus what MoE training needs.
 
     step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  tflops: 312.4  mfu: 31.6%
-          | moe aux: 1.003  load max/mean: 1.21  cv: 0.09  dead: 0  ep max/mean: 1.04
+          | moe balance: 1.0031  z: 4.3712  load max/mean: 1.21  cv: 0.09  dead: 0  ep max/mean: 1.04
           | ranks grad max/min: 1.3          (monitor steps only)
+
+`balance` and `z` are the router's balance loss and z-loss before their coefficients (means
+over layers; shown when on); `moe/aux_loss` is what they add to the objective, their weighted sum.
 
 MFU is model FLOPs per second (6 x active parameters + attention, per token) over a peak
 named once at the start: `[metrics] peak_tflops`, or torchtitan's table for the GPU's name
@@ -40,6 +43,43 @@ def load_stats(loads: torch.Tensor) -> dict[str, float]:
     }
 
 
+ROUTER_LOSSES = ("balance_loss", "z_loss")  # the columns of MoE.last_router_losses
+
+
+def router_losses(layers: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The last step's router losses [L, 2] (before their coefficients) and coefficients [L, 2],
+    or None when no layer has one on or before the first step."""
+    if not layers or layers[0].last_router_losses is None:
+        return None
+    coeffs = torch.tensor([[m.router.balance_loss_coeff, m.router.z_loss_coeff] for m in layers], dtype=torch.float64)
+    if not (coeffs > 0).any():
+        return None
+    return torch.stack([m.last_router_losses for m in layers]).cpu(), coeffs
+
+
+def router_loss_metrics(layers: list) -> dict[str, float]:
+    """Means over layers: each term that is on (moe/balance_loss, moe/z_loss) and their weighted
+    sum, what the router adds to the objective (moe/aux_loss)."""
+    found = router_losses(layers)
+    if found is None:
+        return {}
+    losses, coeffs = found
+    metrics = {f"moe/{name}": float(losses[:, i].mean()) for i, name in enumerate(ROUTER_LOSSES)
+               if (coeffs[:, i] > 0).any()}
+    metrics["moe/aux_loss"] = float((losses * coeffs).sum(dim=1).mean())
+    return metrics
+
+
+def per_layer_router_losses(layers: list) -> dict[str, list[float]]:
+    """metrics.jsonl only: each layer's value of each term that is on."""
+    found = router_losses(layers)
+    if found is None:
+        return {}
+    losses, coeffs = found
+    return {f"moe/{name}_per_layer": losses[:, i].tolist() for i, name in enumerate(ROUTER_LOSSES)
+            if (coeffs[:, i] > 0).any()}
+
+
 class MoEMetricsProcessor(MetricsProcessor):
     def __init__(self, job_config, parallel_dims, model_args=None, tag: str | None = None):
         super().__init__(job_config, parallel_dims, tag)
@@ -70,8 +110,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             return {}
         layers = moe_layers(self.model_parts or [])
         metrics: dict[str, Any] = {f"moe/{k}": v for k, v in load_stats(loads).items()}
-        if any(layer.router.aux_loss_coeff > 0 for layer in layers):
-            metrics["moe/aux_loss"] = float(torch.stack([layer.last_aux_loss for layer in layers]).mean())
+        metrics.update(router_loss_metrics(layers))
         return metrics
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
@@ -81,7 +120,9 @@ class MoEMetricsProcessor(MetricsProcessor):
         tflops = self.num_flops_per_token * tps / 1e12
         mem = self.device_memory_monitor.get_peak_stats()
         loads = self.step_loads()
-        health, warnings = self.monitor.check(step, global_avg_loss, grad_norm, loads, self.rank_stats)
+        moe = self.moe_metrics(loads)
+        terms = {name: moe[f"moe/{name}"] for name in ROUTER_LOSSES if f"moe/{name}" in moe}
+        health, warnings = self.monitor.check(step, global_avg_loss, grad_norm, loads, self.rank_stats, terms)
         rank_stats, self.rank_stats = self.rank_stats, None
         metrics: dict[str, Any] = {
             "loss_metrics/global_avg_loss": global_avg_loss,
@@ -94,7 +135,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_active(GiB)": mem.max_active_gib,
             **(extra_metrics or {}),
-            **self.moe_metrics(loads),
+            **moe,
             **health,
         }
         self.logger.log(metrics, step)  # TensorBoard / W&B: scalars only
@@ -109,8 +150,10 @@ class MoEMetricsProcessor(MetricsProcessor):
             line += f"  {c.magenta}mfu: {metrics['mfu(%)']:.1f}%{c.reset}"
         if "moe/load_cv" in metrics:
             line += "  | moe"
-            if "moe/aux_loss" in metrics:
-                line += f" aux: {metrics['moe/aux_loss']:.4f}"
+            if "moe/balance_loss" in metrics:
+                line += f" balance: {metrics['moe/balance_loss']:.4f}"
+            if "moe/z_loss" in metrics:
+                line += f"  z: {metrics['moe/z_loss']:.4f}"
             line += (
                 f"  load max/mean: {metrics['moe/load_max_over_mean']:.2f}  cv: {metrics['moe/load_cv']:.3f}"
                 f"  dead: {metrics['moe/dead_experts']}"
@@ -127,6 +170,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             record = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, **metrics}
             if loads is not None:
                 record["moe/tokens_per_expert"] = loads.tolist()
+                record.update(per_layer_router_losses(moe_layers(self.model_parts or [])))
             if rank_stats is not None:
                 record["health/rank_loss_share"] = rank_stats[:, 0].tolist()  # sums to the loss
                 record["health/rank_grad_norm"] = rank_stats[:, 1].tolist()

@@ -2,6 +2,8 @@
 
     every logged step (free: the values are already on the host)
         loss and grad norm vs their EMA -> spikes (warned at once: a spike is an event)
+        the router's balance loss and z-loss, each on its own (where on), vs their EMA -> spikes:
+            a z-loss spike is router logits growing, a balance-loss spike routing collapsing
         tokens_per_expert [L, E] (reduced by moe/balance.py) -> dead experts, tokens per
             destination EP rank [L, ep] -> busiest EP rank / mean (warned on monitor steps:
             a state, which would repeat on every line)
@@ -28,6 +30,9 @@ from torch.distributed.tensor import DTensor
 LOSS_SPIKE = 1.5
 # Grad norms vary more from step to step than the loss; 10x the EMA is a real spike.
 GRAD_NORM_SPIKE = 10.0
+# The router's losses sit near a floor (balance 1 when balanced, z (ln E)^2 for small logits) and
+# move slowly; 1.5x their EMA is routing collapsing or logits blowing up.
+ROUTER_LOSS_SPIKE = 1.5
 # EMA weight of the past, and logged steps seen before spikes are judged (the first steps
 # of a run move fast and would mislead the EMA).
 EMA_DECAY = 0.9
@@ -110,18 +115,23 @@ class TrainingMonitor:
         self.freq, self.ep = freq, ep
         self.loss = SpikeDetector(LOSS_SPIKE)
         self.grad_norm = SpikeDetector(GRAD_NORM_SPIKE)
+        self.router_losses: dict[str, SpikeDetector] = {}  # one per term, made when first seen
 
     def is_monitor_step(self, step: int) -> bool:
         return self.freq > 0 and step % self.freq == 0
 
     def check(self, step: int, loss: float, grad_norm: float, loads: torch.Tensor | None = None,
-              rank_stats: torch.Tensor | None = None) -> tuple[dict[str, float], list[str]]:
+              rank_stats: torch.Tensor | None = None,
+              router_losses: dict[str, float] | None = None) -> tuple[dict[str, float], list[str]]:
         """loads [L, E] tokens per expert of the step (all ranks); rank_stats [W, 2] per-rank
-        (loss share, local grad norm) on monitor steps. Returns (metrics, warnings)."""
+        (loss share, local grad norm) on monitor steps; router_losses: each router loss term
+        that is on ('balance_loss', 'z_loss': means over layers, before their coefficients).
+        Returns (metrics, warnings)."""
         metrics: dict[str, float] = {}
         if self.freq == 0:
             return metrics, []
         warnings = self._spikes(step, loss, grad_norm, rank_stats is not None, metrics)
+        warnings += self._router_losses(step, router_losses or {}, metrics)
         if loads is not None:
             warnings += self._loads(step, loads, metrics)
         if rank_stats is not None:
@@ -142,6 +152,21 @@ class TrainingMonitor:
             if ratio > spikes.factor:
                 warnings.append(f"step {step}: {name} spike: {value:.4g} = {ratio:.1f}x its EMA "
                                 f"{spikes.ema:.4g} (warn above {spikes.factor:g}x)")
+        return warnings
+
+    def _router_losses(self, step: int, losses: dict[str, float], metrics: dict) -> list[str]:
+        warnings = []
+        for name, value in losses.items():
+            if not math.isfinite(value):
+                warnings.append(f"step {step}: router {name} = {value}")
+                continue
+            ratio = self.router_losses.setdefault(name, SpikeDetector(ROUTER_LOSS_SPIKE)).update(value)
+            if ratio is None:
+                continue
+            metrics[f"health/{name}_over_ema"] = ratio
+            if ratio > ROUTER_LOSS_SPIKE:
+                warnings.append(f"step {step}: router {name} spike: {value:.4g} = {ratio:.1f}x its EMA "
+                                f"{value / ratio:.4g} (warn above {ROUTER_LOSS_SPIKE:g}x)")
         return warnings
 
     def _loads(self, step: int, loads: torch.Tensor, metrics: dict) -> list[str]:

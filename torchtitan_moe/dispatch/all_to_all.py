@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, recomputing, slots_to_rows
+from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
 from torchtitan_moe.dispatch.exchange import exchange, replay
+from torchtitan_moe.moe.recompute import recomputing
 from torchtitan_moe.moe.router import count_tokens
 
 if TYPE_CHECKING:

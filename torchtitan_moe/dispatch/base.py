@@ -33,18 +33,6 @@ class ExpertBatch:
     ctx: Any  # the dispatcher's state for combine
 
 
-def recomputing() -> bool:
-    """True while eager activation checkpointing re-runs a forward inside the backward pass.
-
-    Statistics are counted and exchanges made once per real forward. Code that torch.compile
-    traced never re-runs: a compiled checkpoint recomputes inside its own graph. Checked
-    there, the graph task id would be a graph break, so it is not asked.
-    """
-    if torch.compiler.is_compiling():
-        return False
-    return torch._C._current_graph_task_id() != -1
-
-
 class Dispatcher(Protocol):
     def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch: ...
 

@@ -7,8 +7,10 @@ Before every optimizer step, for each MoE layer:
 
 The bias only changes which experts are picked (router.py), never the weights of their
 outputs. torchtitan 0.2.2's Qwen3 keeps such a bias but never updates it; this hook does.
-The same single all-reduce also sums the layers' aux losses; the reduced step statistics
-are left in `moe.last_tokens_per_expert` and `moe.last_aux_loss` for logging and monitors.
+The same single all-reduce also sums the layers' router losses; the reduced step statistics
+are left in `moe.last_tokens_per_expert` and `moe.last_router_losses` for logging and monitors.
+The hook also starts each step's global-batch counts afresh (moe/router_losses.py), over the
+data-parallel group it hands to the routers.
 """
 
 from __future__ import annotations
@@ -28,20 +30,21 @@ def moe_layers(model_parts: list[nn.Module]) -> list[MoE]:
 def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-reduce (one collective) and clear the layers' step statistics -> loads [L, E] fp64.
 
-    Counts travel as float64, exact up to 2^53 tokens, so loads and aux losses share it.
+    Counts travel as float64, exact up to 2^53 tokens, so loads and router losses share it.
     """
     stats = torch.stack(
-        [torch.cat([layer.tokens_per_expert.double(), layer.aux_loss_sum.double().view(1)]) for layer in layers]
+        [torch.cat([layer.tokens_per_expert.double(), layer.router_loss_sums.double()]) for layer in layers]
     )
     if group is not None and dist.is_initialized():
         dist.all_reduce(stats, group=group)
     for layer, row in zip(layers, stats):
         layer.tokens_per_expert.zero_()
-        layer.aux_loss_sum.zero_()
-        layer.last_tokens_per_expert = row[:-1].long()
+        layer.router_loss_sums.zero_()
+        layer.router.global_counts.zero_()
+        layer.last_tokens_per_expert = row[:-2].long()
         # Mean over the step's micro-batches on all ranks: the same weights as the gradient.
-        layer.last_aux_loss = row[-1] * MoE.aux_loss_scale
-    return stats[:, :-1]
+        layer.last_router_losses = row[-2:] * MoE.aux_loss_scale
+    return stats[:, :-2]
 
 
 @torch.no_grad()
@@ -55,10 +58,15 @@ def update_expert_bias(layers: list[MoE], loads: torch.Tensor) -> None:
 
 
 def register_balancing_hook(optimizers, model_parts: list[nn.Module], group: dist.ProcessGroup | None) -> None:
-    """Reduce statistics and update the bias as an optimizer step pre-hook (after all micro-batches)."""
+    """Reduce statistics and update the bias as an optimizer step pre-hook (after all micro-batches).
+
+    `group`: every data-parallel rank (the "loss" mesh); the global-batch balance loss counts over it.
+    """
     layers = moe_layers(model_parts)
     if not layers:
         return
+    for layer in layers:
+        layer.router.balance_group = group
 
     def hook(*args, **kwargs) -> None:
         update_expert_bias(layers, reduce_step_stats(layers, group))

@@ -5,7 +5,8 @@
 
 It also keeps the per-step statistics that balancing and monitoring read:
 `tokens_per_expert` accumulates over the micro-batches of one optimizer step (the bias
-update in moe/balance.py reduces and clears it) and `aux_loss_sum` the aux loss values.
+update in moe/balance.py reduces and clears it) and `router_loss_sums` the router's losses
+(balance loss, z-loss) before their coefficients.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Literal
 import torch
 from torch import nn
 
-from torchtitan_moe.dispatch.base import recomputing
 from torchtitan_moe.moe.experts import GroupedExperts
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
+from torchtitan_moe.moe.recompute import recomputing
+from torchtitan_moe.moe.router_losses import BalanceLoss
 
 
 @dataclass
@@ -32,7 +34,11 @@ class MoEArgs:
     route_scale: float = 1.0
     router_init_std: float = 0.02
     bias_update_rate: float = 1e-3
-    aux_loss_coeff: float = 0.0
+    balance_loss: BalanceLoss = "none"
+    balance_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    n_groups: int = 1
+    topk_groups: int = 1
     force_balance: bool = False
     padding: Literal["none", "auto", "always"] = "auto"
     align: int = 8
@@ -85,7 +91,11 @@ class MoE(nn.Module):
             route_norm=args.route_norm,
             route_scale=args.route_scale,
             init_std=args.router_init_std,
-            aux_loss_coeff=args.aux_loss_coeff,
+            balance_loss=args.balance_loss,
+            balance_loss_coeff=args.balance_loss_coeff,
+            z_loss_coeff=args.z_loss_coeff,
+            n_groups=args.n_groups,
+            topk_groups=args.topk_groups,
             force_balance=args.force_balance,
         )
         self.experts = GroupedExperts(dim, args.inter_dim, args.num_experts)
@@ -93,17 +103,17 @@ class MoE(nn.Module):
         self.bias_update_rate = args.bias_update_rate
         # The last optimizer step's statistics over all ranks, set by moe/balance.py.
         self.last_tokens_per_expert: torch.Tensor | None = None  # [E] int64
-        self.last_aux_loss: torch.Tensor | None = None  # 0-dim fp64
+        self.last_router_losses: torch.Tensor | None = None  # [2] fp64: balance loss, z-loss
         # Statistics, not model state: not saved in checkpoints.
         self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.int64), persistent=False)
-        self.register_buffer("aux_loss_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("router_loss_sums", torch.zeros(2, dtype=torch.float32), persistent=False)
 
     def init_weights(self, out_std: float, buffer_device: torch.device | None = None) -> None:
         self.router.init_weights()
         self.experts.init_weights(out_std)
         device = buffer_device or self.router.gate.weight.device
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
-        self.aux_loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        self.router_loss_sums = torch.zeros(2, dtype=torch.float32, device=device)
 
     def set_dispatcher(self, dispatcher) -> None:
         self.dispatcher = dispatcher
@@ -131,8 +141,9 @@ class MoE(nn.Module):
         if self.training and not recomputing():  # count each real forward once
             with torch.no_grad():
                 self.tokens_per_expert.add_(routing.tokens_per_expert)
-                if routing.aux_loss is not None:
-                    self.aux_loss_sum.add_(routing.aux_loss.detach())
+                for i, loss in enumerate((routing.balance_loss, routing.z_loss)):
+                    if loss is not None:
+                        self.router_loss_sums[i] += loss.detach()
 
         batch = self.dispatcher.dispatch(tokens, routing)
         y = self.experts(batch)

@@ -2,7 +2,9 @@
 
     x [T, D] ──gate (fp32)──► logits [T, E] ──softmax|sigmoid──► scores [T, E]
     top-k over (scores + expert_bias)  ──► experts [T, K]      (the bias picks, never weighs)
+        group-limited (n_groups > 1): only inside each token's topk_groups best groups
     probs = scores[experts], optionally renormalized, times route_scale ──► probs [T, K] fp32
+    training: balance loss and z-loss (moe/router_losses.py) ──► aux_loss, their weighted sum
 """
 
 from __future__ import annotations
@@ -11,9 +13,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 import torch.utils._pytree
 from torch import nn
+
+from torchtitan_moe.moe.router_losses import (
+    BALANCE_LOSSES,
+    BalanceLoss,
+    add_global_counts,
+    balance_loss,
+    sequence_balance_loss,
+    z_loss,
+)
 
 
 @dataclass
@@ -24,7 +36,9 @@ class Routing:
     experts: torch.Tensor  # [T, K] int64: chosen expert ids
     tokens_per_expert: torch.Tensor  # [E] int64: slots routed to each expert
     scores: torch.Tensor  # [T, E] fp32: scores before top-k (for the aux loss and checks)
-    aux_loss: torch.Tensor | None  # scalar fp32: sequence-level balance loss, or None when off
+    aux_loss: torch.Tensor | None  # scalar fp32: the weighted router losses the objective adds, or None
+    balance_loss: torch.Tensor | None = None  # scalar fp32: the balance loss before its coefficient
+    z_loss: torch.Tensor | None = None  # scalar fp32: the z-loss before its coefficient
 
 
 # FSDP2 hooks the router's outputs to all-gather its weights again for backward; torch 2.11
@@ -33,7 +47,8 @@ torch.utils._pytree.register_dataclass(Routing)
 
 
 class Router(nn.Module):
-    """Linear gate + top-k. Parameters: `gate.weight [E, D]`; buffer: `expert_bias [E]` fp32."""
+    """Linear gate + top-k. Parameters: `gate.weight [E, D]`; buffers: `expert_bias [E]` fp32
+    and, for the global-batch balance loss, `global_counts [E]` int64 (the step's counts so far)."""
 
     def __init__(
         self,
@@ -44,7 +59,11 @@ class Router(nn.Module):
         route_norm: bool = True,
         route_scale: float = 1.0,
         init_std: float = 0.02,
-        aux_loss_coeff: float = 0.0,
+        balance_loss: BalanceLoss = "none",
+        balance_loss_coeff: float = 0.0,
+        z_loss_coeff: float = 0.0,
+        n_groups: int = 1,
+        topk_groups: int = 1,
         force_balance: bool = False,
     ):
         super().__init__()
@@ -52,16 +71,34 @@ class Router(nn.Module):
             raise ValueError(f"top_k = {top_k}: must be in 1..num_experts ({num_experts})")
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func = {score_func!r}: expected 'softmax' or 'sigmoid'")
+        if balance_loss not in BALANCE_LOSSES:
+            raise ValueError(f"balance_loss = {balance_loss!r}: expected one of {', '.join(BALANCE_LOSSES)}")
+        if (balance_loss == "none") != (balance_loss_coeff == 0) or balance_loss_coeff < 0:
+            raise ValueError(f"balance_loss_coeff = {balance_loss_coeff}: must be > 0 with balance_loss = "
+                             f"{balance_loss!r}, 0 with 'none'")
+        if z_loss_coeff < 0:
+            raise ValueError(f"z_loss_coeff = {z_loss_coeff}: must be >= 0 (0: off)")
+        check_groups(num_experts, top_k, n_groups, topk_groups)
+        if force_balance and n_groups > 1:
+            raise ValueError("force_balance sends tokens round-robin over all experts: it needs n_groups = 1")
         self.num_experts = num_experts
         self.top_k = top_k
         self.score_func = score_func
         self.route_norm = route_norm
         self.route_scale = route_scale
         self.init_std = init_std
-        self.aux_loss_coeff = aux_loss_coeff
+        self.balance_loss = balance_loss
+        self.balance_loss_coeff = balance_loss_coeff
+        self.z_loss_coeff = z_loss_coeff
+        self.n_groups = n_groups
+        self.topk_groups = topk_groups
         self.force_balance = force_balance
+        # The data-parallel ranks whose tokens the global-batch loss counts (the trainer's
+        # "loss" mesh, set by moe/balance.py); None: this process alone.
+        self.balance_group: dist.ProcessGroup | None = None
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        self.register_buffer("global_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def init_weights(self) -> None:
         with torch.no_grad():
@@ -72,9 +109,10 @@ class Router(nn.Module):
                     self.gate.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std
                 )
             self.expert_bias.zero_()
+            self.global_counts.zero_()
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
-        """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the aux loss."""
+        """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss."""
         with torch.autocast(x.device.type, enabled=False):  # router math stays fp32
             logits = F.linear(x.float(), self.gate.weight.float())
         if self.score_func == "softmax":
@@ -86,7 +124,10 @@ class Router(nn.Module):
             experts = balanced_experts(x.shape[0], self.top_k, self.num_experts, x.device)
         else:
             choice = scores.detach() + self.expert_bias
-            experts = torch.topk(choice, self.top_k, dim=-1).indices
+            if self.n_groups > 1:
+                experts = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups)
+            else:
+                experts = torch.topk(choice, self.top_k, dim=-1).indices
 
         probs = scores.gather(1, experts)
         if self.route_norm:
@@ -94,12 +135,61 @@ class Router(nn.Module):
         probs = probs * self.route_scale
 
         tokens_per_expert = count_tokens(experts, self.num_experts)
-        aux_loss = None
-        if self.aux_loss_coeff > 0 and self.training:
-            aux_loss = self.aux_loss_coeff * sequence_balance_loss(
-                scores, experts, self.num_experts, seq_len or x.shape[0]
+        balance = zloss = aux_loss = None
+        if self.training and torch.is_grad_enabled():  # not in eval, probes or no_grad passes
+            if self.balance_loss_coeff > 0:
+                balance = self.compute_balance_loss(scores, experts, tokens_per_expert, seq_len or x.shape[0])
+                aux_loss = self.balance_loss_coeff * balance
+            if self.z_loss_coeff > 0:
+                zloss = z_loss(logits)
+                aux_loss = self.z_loss_coeff * zloss if aux_loss is None else aux_loss + self.z_loss_coeff * zloss
+        return Routing(probs, experts, tokens_per_expert, scores, aux_loss, balance, zloss)
+
+    def compute_balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, tokens_per_expert: torch.Tensor,
+                             seq_len: int) -> torch.Tensor:
+        """The balance loss (before its coefficient) of this micro-batch under `balance_loss`."""
+        if self.balance_loss == "sequence":
+            return sequence_balance_loss(scores, experts, seq_len)
+        if self.balance_loss == "micro_batch":
+            return balance_loss(scores, tokens_per_expert)
+        if self.balance_group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            raise RuntimeError(
+                "balance_loss = 'global_batch' under torch.distributed needs the data-parallel group: "
+                "set Router.balance_group (moe.balance.register_balancing_hook does)"
             )
-        return Routing(probs, experts, tokens_per_expert, scores, aux_loss)
+        return balance_loss(scores, add_global_counts(self.global_counts, tokens_per_expert, self.balance_group))
+
+
+def check_groups(num_experts: int, top_k: int, n_groups: int, topk_groups: int) -> None:
+    """Group-limited routing's arguments, each problem in one line."""
+    if n_groups < 1 or num_experts % n_groups:
+        raise ValueError(f"n_groups = {n_groups}: must divide num_experts ({num_experts})")
+    if not 1 <= topk_groups <= n_groups:
+        raise ValueError(f"topk_groups = {topk_groups}: must be in 1..n_groups ({n_groups})")
+    if n_groups > 1 and not topk_groups <= top_k <= topk_groups * (num_experts // n_groups):
+        raise ValueError(
+            f"top_k = {top_k}: group-limited routing needs topk_groups ({topk_groups}) <= top_k <= "
+            f"topk_groups x experts per group ({topk_groups * (num_experts // n_groups)})"
+        )
+
+
+def group_limited_topk(choice: torch.Tensor, top_k: int, n_groups: int, topk_groups: int) -> torch.Tensor:
+    """choice [T, E] -> experts [T, K], all inside each token's `topk_groups` best groups.
+
+    Experts e of group g are [g E/G, (g+1) E/G). DeepSeek-V3's node-limited routing (arXiv:2412.19437,
+    sec. 2.1.2) ranks groups by "the sum of the highest K/M affinity scores of the experts" in each
+    (K = top_k, M = topk_groups): the best 2 for DeepSeek-V3's 8 and 4, the number HF's DeepseekV3
+    router fixes, and top_k // topk_groups as in Megatron-LM's group_limited_topk. Scores here are
+    the choice scores (scores + expert_bias), as in both. Experts of other groups are masked to -inf,
+    not to 0 (HF): a biased choice score can be negative, and a 0 would then win.
+    """
+    num_tokens, num_experts = choice.shape
+    grouped = choice.view(num_tokens, n_groups, num_experts // n_groups)
+    group_scores = grouped.topk(top_k // topk_groups, dim=-1).values.sum(dim=-1)  # [T, G]
+    groups = group_scores.topk(topk_groups, dim=-1).indices  # [T, topk_groups]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    masked = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, num_experts)
+    return masked.topk(top_k, dim=-1).indices
 
 
 def balanced_experts(num_tokens: int, top_k: int, num_experts: int, device) -> torch.Tensor:
@@ -113,28 +203,3 @@ def count_tokens(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     flat = experts.reshape(-1)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
     return counts.scatter_add_(0, flat, torch.ones_like(flat))
-
-
-def sequence_balance_loss(
-    scores: torch.Tensor, experts: torch.Tensor, num_experts: int, seq_len: int
-) -> torch.Tensor:
-    """Sequence-level balance loss (DeepSeek-V3): mean over sequences of sum_e f_e * P_e.
-
-    f_e = E / (K * S) * (slots of the sequence on expert e), P_e = mean over the sequence of
-    the normalized score of e. It is 1 for a perfectly balanced sequence.
-    """
-    num_tokens, top_k = experts.shape
-    if num_tokens % seq_len:
-        raise ValueError(f"seq_len = {seq_len} does not divide the {num_tokens} tokens")
-    num_seqs = num_tokens // seq_len
-    norm_scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    p = norm_scores.view(num_seqs, seq_len, num_experts).mean(dim=1)  # [B, E]
-    hits = torch.zeros(num_seqs, num_experts, device=scores.device, dtype=torch.float32)
-    seq_of_slot = torch.arange(num_tokens, device=scores.device).div(seq_len, rounding_mode="floor")
-    hits.index_put_(
-        (seq_of_slot.repeat_interleave(top_k), experts.reshape(-1)),
-        torch.ones(num_tokens * top_k, device=scores.device),
-        accumulate=True,
-    )
-    f = hits * (num_experts / (top_k * seq_len))
-    return (f * p).sum(dim=-1).mean()

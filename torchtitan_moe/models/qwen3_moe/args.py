@@ -44,7 +44,11 @@ class Qwen3MoEArgs(BaseModelArgs):
             route_scale=r.route_scale,
             router_init_std=r.init_std,
             bias_update_rate=r.bias_update_rate,
-            aux_loss_coeff=r.aux_loss_coeff,
+            balance_loss=r.balance_loss,
+            balance_loss_coeff=r.balance_loss_coeff,
+            z_loss_coeff=r.z_loss_coeff,
+            n_groups=r.n_groups,
+            topk_groups=r.topk_groups,
             force_balance=r.force_balance,
             kernels=job_config.kernels.backend,
         )

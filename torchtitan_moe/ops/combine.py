@@ -72,6 +72,8 @@ def gather_rows_reference(x: torch.Tensor, index) -> torch.Tensor:
     """Plain torch. The gather runs in fp32 so that autograd's backward sums dx in fp32."""
     slot = index.row_slot.long()
     token = slot.clamp_min(0) // index.top_k
+    if x.shape[0] == 0:  # a rank that received no tokens still has pad rows when aligned
+        return (_upcast(x).sum(0, keepdim=True) * 0).expand(slot.shape[0], -1).to(x.dtype)
     return torch.where((slot >= 0)[:, None], _upcast(x)[token], 0.0).to(x.dtype)
 
 

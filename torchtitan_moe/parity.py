@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"parity: writing the seed checkpoint to {seed_ckpt}", flush=True)
         launch(args.config, seed_dir, [*common, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
                                        "--parallelism.data_parallel_shard_degree", "1",
-                                       "--parallelism.expert_parallel_degree", "1"], 1, out / "seed.log")
+                                       "--parallelism.expert_parallel_degree", "1", "--dispatch.backend", "auto"],
+               1, out / "seed.log")
 
     runs = []
     for s in settings:

@@ -35,7 +35,7 @@ from torchtitan_moe.moe import MoE, MoEArgs
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
-DIM, EXPERTS, TOP_K, INTER = 32, 8, 3, 16
+DIM, EXPERTS, TOP_K, INTER = 128, 8, 3, 32
 
 
 def load_fake_deep_ep():
@@ -295,3 +295,11 @@ def test_tune_dispatch_writes_an_entry_that_auto_reads_and_the_bench_runs(tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| 2 | deepep")]
     assert len(rows) == 2 and all("n/a" not in row for row in rows), result.stdout
+
+
+def test_install_script_refuses_a_tree_that_is_not_deepep_v1(tmp_path):
+    result = subprocess.run(["bash", str(ROOT / "scripts" / "install_deepep.sh"), str(tmp_path)], capture_output=True,
+                            text=True, env=dict(os.environ, PYTHON=sys.executable))
+    assert result.returncode == 2
+    assert result.stderr.strip() == (f"install_deepep: {tmp_path} is not a DeepEP v1 source tree (no setup.py or "
+                                     "deep_ep/buffer.py); use commit 567632dd59810d77b3cc05553df953cc0f779799")

@@ -22,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import warnings
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
+import torch.distributed.nn.functional as dist_nn
 
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch import tuned
@@ -55,8 +56,12 @@ class PerExpertRowsDispatcher:
         self.num_experts = num_experts
 
     def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-        # torch's all_to_all_single with autograd (the backward sends the gradient back)
-        return funcol.all_to_all_single_autograd(rows.contiguous(), recv, send, self.group)
+        # torch's all_to_all_single with autograd (the backward sends the gradient back); torch
+        # suggests a private module's asynchronous one instead, whose tensors Triton cannot read
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            out = rows.new_empty((sum(recv), *rows.shape[1:]))
+            return dist_nn.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
         index = ops.routing_index(routing.experts, self.num_experts, backend=self.kernels)  # rows by expert = by rank

@@ -42,20 +42,21 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, probs, backend: DeepEPBackend, handle: Handle, results, kept):
         ctx.backend, ctx.handle, ctx.kept = backend, handle, kept
-        ctx.recv = (results[0].shape, results[0].dtype, results[0].device)
+        ctx.recv_x, ctx.recv_probs = (results[0].shape, results[0].dtype), results[1].shape
         ctx.set_materialize_grads(False)
         return results[0], results[1]
 
     @staticmethod
     def backward(ctx, grad_x, grad_probs):
         ctx.kept.clear()
-        if not any(ctx.needs_input_grad[:2]):
-            return None, None, None, None, None, None
+        device = ctx.handle.raw[0].device
         if grad_x is None:
-            shape, dtype, device = ctx.recv
-            grad_x = torch.zeros(shape, dtype=dtype, device=device)
-        want_probs = ctx.needs_input_grad[1] and grad_probs is not None
-        dx, dprobs = ctx.backend.combine(grad_x, ctx.handle, grad_probs if want_probs else None)
+            grad_x = torch.zeros(ctx.recv_x[0], dtype=ctx.recv_x[1], device=device)
+        # A collective: every rank sends probability gradients, or none does (DeepEP lays out
+        # its buffers by top-k), whichever of its rows got gradients.
+        if ctx.needs_input_grad[1] and grad_probs is None:
+            grad_probs = torch.zeros(ctx.recv_probs, dtype=torch.float32, device=device)
+        dx, dprobs = ctx.backend.combine(grad_x, ctx.handle, grad_probs if ctx.needs_input_grad[1] else None)
         return dx, dprobs, None, None, None, None
 
 

@@ -190,7 +190,11 @@ def release_buffers(group: dist.ProcessGroup | None = None) -> None:
 
 class DeepEPV1:
     """The seam on deep_ep.Buffer (DeepEP v1, intranode, NVLink). Blocking calls: DeepEP runs on its
-    own stream and the current stream waits for it, so tensors are freed and reused safely."""
+    own stream and the current stream waits for it, so tensors are freed and reused safely.
+
+    The NVLink buffer holds a ring of `buffer_tokens` rows per channel and peer, so its size
+    follows num_sms, the ring, the hidden size and the ranks, not the tokens per rank
+    (DeepEP's Config.get_nvl_buffer_size_hint, which allows for top-k up to 128)."""
 
     def __init__(self, group: dist.ProcessGroup, settings: DeepEPSettings, hidden: int):
         self.deep_ep = import_deep_ep()

@@ -73,7 +73,8 @@ def gather_rows_reference(x: torch.Tensor, index) -> torch.Tensor:
     slot = index.row_slot.long()
     token = slot.clamp_min(0) // index.top_k
     if x.shape[0] == 0:  # a rank that received no tokens still has pad rows when aligned
-        return (_upcast(x).sum(0, keepdim=True) * 0).expand(slot.shape[0], -1).to(x.dtype)
+        xf = _upcast(x)
+        return (xf.new_zeros(slot.shape[0], x.shape[1]) + xf.sum(0)).to(x.dtype)
     return torch.where((slot >= 0)[:, None], _upcast(x)[token], 0.0).to(x.dtype)
 
 

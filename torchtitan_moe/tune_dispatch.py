@@ -102,7 +102,8 @@ def ints(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.tune_dispatch", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.tune_dispatch", description=__doc__.split("\n\n")[0],
+                                     allow_abbrev=False)
     parser.add_argument("config")
     parser.add_argument("--out", default=None, help="tuned file to write (default: the config's [dispatch] tuned_file)")
     parser.add_argument("--json", default=None, help="also write every measurement here")

@@ -1,16 +1,20 @@
-"""Dispatch + combine, forward and backward: one row per (token, rank) against one per (token, expert).
+"""Dispatch + combine, forward and backward: NCCL all-to-all (per-rank, per-expert rows) and DeepEP.
 
-    torchrun --nproc_per_node 8 kernels/bench_dispatch.py [--tokens 8192] [--ep 2,4,8] [--json out.json]
+    torchrun --nproc_per_node 8 kernels/bench_dispatch.py [--tokens 8192] [--ep 2,4,8]
+        [--tuned-file configs/tuned/dispatch.json] [--json out.json]
 
 For each EP degree (the first EP ranks of the launch form the group):
-  exchange   NCCL all_to_all_single of the rows alone: per-rank rows (ours) vs per-expert rows
-             (torchtitan 0.2.2's way). Remote GB/s = bytes a rank sends to other ranks / time,
-             against the NVLink per-direction limit (--link-gbs, default 18 links x 26.6 GB/s).
-  layer path dispatch + combine forward + backward through the dispatcher (no expert GEMMs;
-             y = rows), AllToAllDispatcher vs a per-expert-rows dispatcher built from the
-             same ops, so the difference is the exchange volume.
-Times are medians over --iters iterations after --warmup, the max over ranks (the
-slowest rank sets the step). Routing: each token picks top_k distinct random experts.
+  exchange   the rows alone: NCCL all_to_all_single of per-rank rows (ours) vs per-expert rows
+             (torchtitan 0.2.2's way), each way; DeepEP's dispatch (with the cached layout, as the
+             combine's backward runs it) and combine kernels, at DeepEP's default 24 SMs and at the
+             tuned file's settings for these shapes. Remote GB/s = bytes a rank sends to other
+             ranks / time, against the NVLink per-direction limit (--link-gbs, 18 x 26.6 GB/s).
+  + layout   DeepEP's dispatch as the forward runs it: layout, counts (the host sync), rows.
+  layer path dispatch + combine forward + backward through each dispatcher (no expert GEMMs;
+             y = rows): AllToAllDispatcher, a per-expert-rows dispatcher built from the same ops,
+             DeepEPDispatcher.
+Times are medians over --iters iterations after --warmup, the max over ranks (the slowest rank
+sets the step). Routing: each token picks top_k distinct random experts.
 """
 
 from __future__ import annotations
@@ -18,18 +22,27 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
+from torchtitan_moe.dispatch import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.exchange import exchange
+from torchtitan_moe.dispatch.deepep_backend import (
+    EP_SIZES,
+    DeepEPUnavailable,
+    DeepEPV1,
+    default_settings,
+    import_deep_ep,
+    release_buffers,
+)
 from torchtitan_moe.moe.router import Routing, count_tokens
+from torchtitan_moe.tune_dispatch import timed_ms
 
 
 class PerExpertRowsDispatcher:
@@ -40,6 +53,9 @@ class PerExpertRowsDispatcher:
         self.ep_size = dist.get_world_size(group)
         self.local_experts = num_experts // self.ep_size
         self.num_experts = num_experts
+
+    def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
+        return exchange([rows], send, recv, self.group)[0]  # the gradient goes back the way it came
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
         index = ops.routing_index(routing.experts, self.num_experts, backend=self.kernels)  # rows by expert = by rank
@@ -52,8 +68,8 @@ class PerExpertRowsDispatcher:
         probs = slots_to_rows(routing.probs, index.inv, rows.shape[0])
         local = routing.experts.reshape(-1)[index.row_slot.clamp(min=0)] % self.local_experts
         meta = torch.stack([local.to(probs.dtype), probs], dim=1)
-        recv_x = exchange([rows], send, recv, self.group)[0]
-        recv_meta = exchange([meta], send, recv, self.group)[0]
+        recv_x = self.exchange(rows, send, recv)
+        recv_meta = self.exchange(meta, send, recv)
         local_index = ops.routing_index(recv_meta[:, :1].long(), self.local_experts, backend=self.kernels)
         expert_rows = ops.gather_rows(recv_x, local_index, backend=self.kernels)
         return ExpertBatch(expert_rows, slots_to_rows(recv_meta[:, 1:], local_index.inv, expert_rows.shape[0]),
@@ -62,7 +78,7 @@ class PerExpertRowsDispatcher:
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         c = batch.ctx
-        (back,) = exchange([ops.combine(y, c.local_index, backend=self.kernels)], c.recv_rows, c.send_rows, self.group)
+        back = self.exchange(ops.combine(y, c.local_index, backend=self.kernels), c.recv_rows, c.send_rows)
         return ops.combine(back, c.index, backend=self.kernels)
 
 
@@ -72,28 +88,14 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device) -> Routing
     return Routing(probs, experts, count_tokens(experts, num_experts), None, None)
 
 
-def timed(fn, warmup: int, iters: int, group) -> float:
-    """Median milliseconds of fn() on this rank, max over the group's ranks."""
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier(group=group)
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    median = torch.tensor(statistics.median(times), dtype=torch.float64, device="cuda" if cuda else "cpu")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
-    return float(median)
+def max_over(value: float, group) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def gbps(nbytes: float, ms: float) -> float:
+    return nbytes / (ms * 1e-3) / 1e9
 
 
 def bench_ep(ep: int, args, device) -> dict:
@@ -101,9 +103,24 @@ def bench_ep(ep: int, args, device) -> dict:
     rank = dist.get_rank()
     if rank >= ep:
         return {}
+    me = dist.get_rank(group)
     torch.manual_seed(1000 + rank)
     x = torch.randn(args.tokens, args.dim, device=device, dtype=args.dtype)
     routing = random_routing(args.tokens, args.experts, args.top_k, device)
+    row_bytes = args.dim * x.element_size()
+
+    def timed(fn) -> float:
+        return timed_ms(fn, group, args.warmup, args.iters)
+
+    def layer_path(dispatcher):
+        def step():
+            xg = x.detach().requires_grad_()
+            b = dispatcher.dispatch(xg, routing)
+            out = dispatcher.combine(b.x, b)
+            out.backward(torch.ones_like(out))
+
+        return step
+
     result = {"ep": ep}
     for name, dispatcher in (
         ("per_rank", AllToAllDispatcher(args.experts, group, kernels=args.kernels)),
@@ -111,29 +128,96 @@ def bench_ep(ep: int, args, device) -> dict:
     ):
         plan = dispatcher.dispatch(x, routing).ctx
         send_rows, recv_rows = plan.send_rows, plan.recv_rows
-        remote_bytes = (sum(send_rows) - send_rows[dist.get_rank(group)]) * args.dim * x.element_size()
         rows = torch.randn(sum(send_rows), args.dim, device=device, dtype=args.dtype)
         recv = torch.empty(sum(recv_rows), args.dim, device=device, dtype=args.dtype)
-
-        def wire():
-            dist.all_to_all_single(recv, rows, recv_rows, send_rows, group=group)
-
-        def layer_path():
-            xg = x.detach().requires_grad_()
-            b = dispatcher.dispatch(xg, routing)
-            out = dispatcher.combine(b.x, b)
-            out.backward(torch.ones_like(out))
-
-        ms = timed(wire, args.warmup, args.iters, group)
-        remote = torch.tensor(remote_bytes, dtype=torch.float64, device=x.device)
-        dist.all_reduce(remote, op=dist.ReduceOp.MAX, group=group)
+        ms = timed(lambda: dist.all_to_all_single(recv, rows, recv_rows, send_rows, group=group))  # noqa: B023
+        back_ms = timed(lambda: dist.all_to_all_single(rows, recv, send_rows, recv_rows, group=group))  # noqa: B023
+        remote = max_over((sum(send_rows) - send_rows[me]) * row_bytes, group)  # bytes to other ranks
+        remote_back = max_over((sum(recv_rows) - recv_rows[me]) * row_bytes, group)
         result[name] = {
-            "exchange_ms": ms,
-            "remote_GBps": float(remote) / (ms * 1e-3) / 1e9,
-            "rows_sent": sum(send_rows),
-            "layer_path_ms": timed(layer_path, args.warmup, args.iters, group),
+            "exchange_ms": ms, "remote_GBps": gbps(remote, ms),
+            "exchange_back_ms": back_ms, "remote_back_GBps": gbps(remote_back, back_ms),
+            "remote_bytes": (remote, remote_back), "rows_sent": sum(send_rows),
+            "layer_path_ms": timed(layer_path(dispatcher)),
         }
+
+    # DeepEP moves the same rows as ours (one per token and destination rank).
+    remote, remote_back = result["per_rank"]["remote_bytes"]
+
+    for name, settings, note in deepep_settings(ep, args, routing):
+        if settings is None:
+            result[name] = {"note": note}
+            continue
+        backend = DeepEPV1(group, settings, args.dim)
+        experts, probs = routing.experts, routing.probs.detach()
+        d = backend.dispatch(x, experts, probs, args.experts)
+        dispatch_ms = timed(lambda: backend.dispatch_again(x, d.handle))  # noqa: B023
+        combine_ms = timed(lambda: backend.combine(d.x, d.handle))  # noqa: B023
+        result[name] = {
+            "settings": settings.describe(), "note": note,
+            "dispatch_ms": dispatch_ms, "remote_GBps": gbps(remote, dispatch_ms),
+            "dispatch_layout_ms": timed(lambda: backend.dispatch(x, experts, probs, args.experts)),  # noqa: B023
+            "combine_ms": combine_ms, "remote_back_GBps": gbps(remote_back, combine_ms),
+            "layer_path_ms": timed(layer_path(DeepEPDispatcher(args.experts, backend, kernels=args.kernels))),
+        }
+    release_buffers(group)
     return result
+
+
+def deepep_settings(ep: int, args, routing: Routing) -> list[tuple]:
+    """[(row name, DeepEPSettings or None, note)]: DeepEP's defaults and the tuned entry's."""
+    try:
+        import_deep_ep()
+    except DeepEPUnavailable as e:
+        return [("deepep_default", None, str(e))]
+    if ep not in EP_SIZES:
+        return [("deepep_default", None, f"DeepEP takes EP 2, 4 or 8, not {ep}")]
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    shape = tuned.Shape(gpu, ep, args.dim, args.top_k, args.experts, args.tokens)
+    found = tuned.match(tuned.load(args.tuned_file), shape)
+    rows = [("deepep_default", default_settings(ep), "DeepEP's defaults")]
+    if found:
+        rows.append(("deepep_tuned", found[1].deepep, f"{args.tuned_file}, entry {found[0]}"))
+    else:
+        rows.append(("deepep_tuned", None, f"no entry for {shape.describe()} in {args.tuned_file}"))
+    return rows
+
+
+def print_tables(results: list[dict], args, name: str) -> None:
+    print(f"\ndispatch + combine, {args.tokens} tokens/rank, dim {args.dim}, {args.experts} experts, top-{args.top_k}, "
+          f"{args.dtype}, {name}; NVLink limit {args.link_gbs:.0f} GB/s per direction")
+    print("| EP | rows/rank ours | rows/rank per-expert | exchange ours (us) | exchange per-expert (us) | ratio "
+          "| remote GB/s ours | % NVLink | layer path ours (us) | layer path per-expert (us) | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ours, base = r["per_rank"], r["per_expert"]
+        print(f"| {r['ep']} | {ours['rows_sent']} | {base['rows_sent']} | {ours['exchange_ms'] * 1e3:.0f} | "
+              f"{base['exchange_ms'] * 1e3:.0f} | {base['exchange_ms'] / ours['exchange_ms']:.2f}x | "
+              f"{ours['remote_GBps']:.0f} | {100 * ours['remote_GBps'] / args.link_gbs:.0f}% | "
+              f"{ours['layer_path_ms'] * 1e3:.0f} | {base['layer_path_ms'] * 1e3:.0f} | "
+              f"{base['layer_path_ms'] / ours['layer_path_ms']:.2f}x |")
+    print("\nthe same rows (one per token and destination rank) moved by NCCL and by DeepEP; dispatch = the "
+          "rows alone, + layout = DeepEP's forward dispatch (layout, counts with a host sync, rows)")
+    print("| EP | dispatcher | settings | dispatch (us) | GB/s | % NVLink | + layout (us) | combine (us) | GB/s "
+          "| % NVLink | layer path (us) | all_to_all / this |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    pct = lambda v: f"{100 * v / args.link_gbs:.0f}%"  # noqa: E731
+    for r in results:
+        ours = r["per_rank"]
+        print(f"| {r['ep']} | all_to_all (NCCL) | - | {ours['exchange_ms'] * 1e3:.0f} | {ours['remote_GBps']:.0f} | "
+              f"{pct(ours['remote_GBps'])} | - | {ours['exchange_back_ms'] * 1e3:.0f} | {ours['remote_back_GBps']:.0f} "
+              f"| {pct(ours['remote_back_GBps'])} | {ours['layer_path_ms'] * 1e3:.0f} | 1.00x |")
+        for key in ("deepep_default", "deepep_tuned"):
+            d = r.get(key)
+            if d is None:
+                continue
+            if "dispatch_ms" not in d:
+                print(f"| {r['ep']} | {key} | n/a: {d['note']} | | | | | | | | | |")
+                continue
+            print(f"| {r['ep']} | {key} | {d['settings']} | {d['dispatch_ms'] * 1e3:.0f} | {d['remote_GBps']:.0f} | "
+                  f"{pct(d['remote_GBps'])} | {d['dispatch_layout_ms'] * 1e3:.0f} | {d['combine_ms'] * 1e3:.0f} | "
+                  f"{d['remote_back_GBps']:.0f} | {pct(d['remote_back_GBps'])} | {d['layer_path_ms'] * 1e3:.0f} | "
+                  f"{ours['layer_path_ms'] / d['layer_path_ms']:.2f}x |")
 
 
 def main() -> None:
@@ -146,10 +230,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--link-gbs", type=float, default=18 * 26.6, help="NVLink GB/s per direction per GPU")
+    parser.add_argument("--tuned-file", default="configs/tuned/dispatch.json", help="for the 'deepep_tuned' row")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    args.dtype = torch.bfloat16 if cuda else torch.float32
+    args.dtype = torch.bfloat16  # DeepEP moves bf16 rows; so does training
     args.kernels = "triton" if cuda else "torch"
     if cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -159,18 +244,7 @@ def main() -> None:
     results = [bench_ep(ep, args, device) for ep in eps]
     if dist.get_rank() == 0:
         name = torch.cuda.get_device_name() if cuda else "cpu"
-        print(f"\ndispatch + combine, {args.tokens} tokens/rank, dim {args.dim}, {args.experts} experts, top-{args.top_k}, "
-              f"{args.dtype}, {name}; NVLink limit {args.link_gbs:.0f} GB/s per direction")
-        print("| EP | rows/rank ours | rows/rank per-expert | exchange ours (us) | exchange per-expert (us) | ratio "
-              "| remote GB/s ours | % NVLink | layer path ours (us) | layer path per-expert (us) | ratio |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for r in results:
-            ours, base = r["per_rank"], r["per_expert"]
-            print(f"| {r['ep']} | {ours['rows_sent']} | {base['rows_sent']} | {ours['exchange_ms'] * 1e3:.0f} | "
-                  f"{base['exchange_ms'] * 1e3:.0f} | {base['exchange_ms'] / ours['exchange_ms']:.2f}x | "
-                  f"{ours['remote_GBps']:.0f} | {100 * ours['remote_GBps'] / args.link_gbs:.0f}% | "
-                  f"{ours['layer_path_ms'] * 1e3:.0f} | {base['layer_path_ms'] * 1e3:.0f} | "
-                  f"{base['layer_path_ms'] / ours['layer_path_ms']:.2f}x |")
+        print_tables(results, args, name)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"device": name, "args": {k: str(v) for k, v in vars(args).items()}, "results": results}, f, indent=1)

@@ -91,9 +91,16 @@ class Router:
 
 @dataclass
 class Dispatch:
-    backend: Literal["auto", "local", "all_to_all"] = "auto"
+    backend: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
     """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed,
-    one copy of a token per destination rank), 'auto' (local at EP = 1, else all_to_all)."""
+    one copy of a token per destination rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8
+    on one node), 'auto' (local at EP = 1; else the faster one in tuned_file, or all_to_all)."""
+
+    tuned_file: str = "configs/tuned/dispatch.json"
+    """Dispatcher timings and DeepEP settings written by `python -m torchtitan_moe.tune_dispatch`."""
+
+    num_sms: int = 0
+    """DeepEP's SMs (even); 0: the tuned file's, else DeepEP's default (24)."""
 
 
 @dataclass
@@ -344,6 +351,17 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
         not (backend == "all_to_all" and ep == 1),
         f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
     )
+    if backend == "deepep":
+        _need(ep in (2, 4, 8), f"[dispatch] backend = 'deepep' needs [parallelism] expert_parallel_degree 2, 4 or 8 "
+                               f"(DeepEP's intranode kernels), got {ep}")
+        precision = cfg.training.mixed_precision_param
+        _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
+                                       f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
+    num_sms = cfg.dispatch.num_sms
+    _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
+          f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")
+    _need(num_sms == 0 or backend in ("deepep", "auto"),
+          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
 
     train = cfg.training
     _need(train.dataset in ("synthetic", "text"), f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text'")

@@ -131,7 +131,8 @@ def seed_checkpoint(config: str, out: Path, overrides: list[str]) -> Path:
         print(f"parity: writing the seed checkpoint to {ckpt}", flush=True)
         launch(config, seed_dir, [*overrides, "--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
                                   "--parallelism.data_parallel_shard_degree", "1",
-                                  "--parallelism.expert_parallel_degree", "1"], 1, out / f"{seed_dir.name}.log")
+                                  "--parallelism.expert_parallel_degree", "1", "--dispatch.backend", "auto"],
+               1, out / f"{seed_dir.name}.log")
         (seed_dir / "model_args.json").write_text(json.dumps(model_args, indent=1, sort_keys=True) + "\n")
     return ckpt
 

@@ -21,6 +21,7 @@ from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.config_loader import load_job_config
 from torchtitan_moe.models import qwen3_moe
+from torchtitan_moe.dispatch.deepep_backend import release_buffers
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.torchtitan_compat import (
     Trainer,
@@ -170,6 +171,7 @@ def run(config) -> None:
         # Every rank leaves together: a gloo rank that tears its group down while a peer is
         # still inside it can abort ("terminate called without an active exception").
         torch.distributed.barrier()
+        release_buffers()  # DeepEP's, if any: freed collectively while every rank is here
         torch.distributed.destroy_process_group()
 
 
@@ -182,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run(config)
+    except ConfigError as e:  # found while building (e.g. a dispatcher this node cannot run)
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except RouterInitError as e:
         print(e, file=sys.stderr)
         return 1

@@ -2,21 +2,32 @@
 
 Under expert parallelism the experts' weights are also split here, on the expert dim over
 the `ep` mesh (rank r of EP holds experts [r E/EP, (r+1) E/EP)), before FSDP2 shards them
-further over `efsdp`.
+further over `efsdp`. Which dispatcher, and why, is decided once (dispatch/choose.py) and
+logged; the DeepEP layers share one backend: one buffer, one frozen setting.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
+from torchtitan_moe.dispatch.choose import choose_dispatcher
+from torchtitan_moe.dispatch.tuned import Shape
 from torchtitan_moe.moe.layer import MoE
+
+logger = logging.getLogger(__name__)
 
 
 def training_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_sms(device: torch.device) -> int | None:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else None
 
 
 def shard_experts(moe: MoE, ep_mesh) -> None:
@@ -24,21 +35,40 @@ def shard_experts(moe: MoE, ep_mesh) -> None:
         moe.experts.register_parameter(name, nn.Parameter(distribute_tensor(param, ep_mesh, [Shard(0)])))
 
 
+def run_shape(moe: MoE, job_config, ep: int, device: torch.device) -> Shape:
+    """This run's key in the tuned dispatcher table."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    tokens = job_config.training.local_batch_size * job_config.training.seq_len
+    return Shape(gpu, ep, moe.experts.w13.shape[-1], moe.args.top_k, moe.num_experts, tokens)
+
+
 def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
     """Give every MoE layer of `model` its dispatcher (and, under EP, its expert shard).
 
     Kernels and padding come from each layer's MoEArgs ([kernels], [moe] applied there)."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        return
     device = training_device()
-    backend = job_config.dispatch.backend
-    if backend == "auto":
-        backend = "local" if parallel_dims.ep == 1 else "all_to_all"
-    ep_mesh = parallel_dims.get_mesh("ep") if parallel_dims.ep > 1 else None
-    for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        if backend == "local":
+    ep = parallel_dims.ep
+    ep_mesh = parallel_dims.get_mesh("ep") if ep > 1 else None
+    group = ep_mesh.get_group() if ep_mesh is not None else None
+    shape = run_shape(moes[0], job_config, ep, device)
+    choice = choose_dispatcher(job_config, shape, group, device_sms(device))
+    logger.info(f"[dispatch] {choice.reason}")
+    backend = None
+    if choice.backend == "deepep":
+        from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
+        from torchtitan_moe.dispatch.deepep_backend import DeepEPV1
+
+        backend = DeepEPV1(group, choice.settings, shape.hidden)
+    for moe in moes:
+        if choice.backend == "local":
             moe.set_dispatcher(moe.local_dispatcher(device))
-        elif backend == "all_to_all":
-            kernels, align = moe.dispatch_settings(device)
-            shard_experts(moe, ep_mesh)
-            moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, ep_mesh.get_group(), align=align, kernels=kernels))
+            continue
+        kernels, align = moe.dispatch_settings(device)
+        shard_experts(moe, ep_mesh)
+        if choice.backend == "all_to_all":
+            moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels))
         else:
-            raise ValueError(f"[dispatch] backend = {backend!r}: expected 'local' or 'all_to_all'")
+            moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels))

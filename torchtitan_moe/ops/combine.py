@@ -72,6 +72,9 @@ def gather_rows_reference(x: torch.Tensor, index) -> torch.Tensor:
     """Plain torch. The gather runs in fp32 so that autograd's backward sums dx in fp32."""
     slot = index.row_slot.long()
     token = slot.clamp_min(0) // index.top_k
+    if x.shape[0] == 0:  # a rank that received no tokens still has pad rows when aligned
+        xf = _upcast(x)
+        return (xf.new_zeros(slot.shape[0], x.shape[1]) + xf.sum(0)).to(x.dtype)
     return torch.where((slot >= 0)[:, None], _upcast(x)[token], 0.0).to(x.dtype)
 
 

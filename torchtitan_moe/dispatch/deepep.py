@@ -1,0 +1,148 @@
+"""DeepEP dispatcher (EP = 2, 4, 8 on one node): DeepEP's NVLink kernels move the rows.
+
+Each token crosses NVLink once per destination rank, as with the all-to-all dispatcher, and
+arrives with its slots' local expert ids (-1 for other ranks' slots) and probabilities; the
+rows are then expanded to the experts by the shared index map, exactly as after the
+all-to-all exchange, so both fill the same ExpertBatch, row for row.
+
+    dispatch  x [T, D] bf16, experts, probs ─DeepEP layout + dispatch (one host sync)─►
+              recv [R, D], local ids [R, K], probs [R, K] ─gather_rows─► ExpertBatch [N, D]
+    combine   y [N, D] ─ops.combine─► per (token, source rank) [R, D] ─DeepEP combine─► [T, D]
+
+DeepEP's combine is a plain sum (fp32, in rank order, rounded to bf16): the probabilities were
+applied in swiglu_prob. Backward: dispatch's is a DeepEP combine (of the rows' and the probs'
+gradients), combine's a DeepEP dispatch with the cached handle. Under activation
+checkpointing the recompute replays the kept results: no second exchange, no second host sync.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from torchtitan_moe import ops
+from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.dispatch.deepep_backend import MAX_LOCAL_EXPERTS, MAX_TOP_K, DeepEPBackend, Dispatched, Handle
+from torchtitan_moe.dispatch.replay import ReplaysExchanges
+
+if TYPE_CHECKING:
+    from torchtitan_moe.moe.router import Routing
+
+
+class _Dispatch(torch.autograd.Function):
+    """Attach a dispatch's results to autograd; backward is DeepEP combine, its adjoint.
+
+    The results come in a list, computed outside (or replayed): autograd must not take them
+    for inputs returned unchanged. A slot's probability exists on one rank only (0 and id -1
+    on the others), so the combined probability gradients are that rank's. By this backward
+    the layer's recompute (if any) is over: what it left of the kept results is dropped
+    (a recompute stops once it has the tensors backward needs, before the combine's exchange)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, backend: DeepEPBackend, handle: Handle, results, kept):
+        ctx.backend, ctx.handle, ctx.kept = backend, handle, kept
+        ctx.recv_x, ctx.recv_probs = (results[0].shape, results[0].dtype), results[1].shape
+        ctx.set_materialize_grads(False)
+        return results[0], results[1]
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_probs):
+        ctx.kept.clear()
+        device = ctx.handle.raw[0].device
+        if grad_x is None:
+            grad_x = torch.zeros(ctx.recv_x[0], dtype=ctx.recv_x[1], device=device)
+        # A collective: every rank sends probability gradients, or none does (DeepEP lays out
+        # its buffers by top-k), whichever of its rows got gradients.
+        if ctx.needs_input_grad[1] and grad_probs is None:
+            grad_probs = torch.zeros(ctx.recv_probs, dtype=torch.float32, device=device)
+        dx, dprobs = ctx.backend.combine(grad_x, ctx.handle, grad_probs if ctx.needs_input_grad[1] else None)
+        return dx, dprobs, None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Attach a combine's result to autograd; backward is a DeepEP dispatch with the cached handle."""
+
+    @staticmethod
+    def forward(ctx, x, backend: DeepEPBackend, handle: Handle, results):
+        ctx.backend, ctx.handle = backend, handle
+        return results[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backend.dispatch_again(grad, ctx.handle), None, None, None
+
+
+class _Plan(NamedTuple):
+    local_index: ops.RoutingIndex  # received rows -> expert-major rows
+    handle: Handle
+
+
+class DeepEPDispatcher(ReplaysExchanges):
+    """Experts [r E/P, (r+1) E/P) live on EP rank r, as with the all-to-all dispatcher. `backend`
+    (a DeepEPV1 or any DeepEPBackend) is shared by the layers: one buffer, one frozen setting."""
+
+    def __init__(self, num_experts: int, backend: DeepEPBackend, align: int = 1, kernels: str = "torch"):
+        super().__init__()
+        self.backend = backend
+        self.ep_size = backend.num_ranks
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts = {num_experts} is not divisible by the EP degree {self.ep_size}")
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.ep_size
+        if self.local_experts > MAX_LOCAL_EXPERTS:
+            raise ValueError(f"DeepEP: {self.local_experts} experts per EP rank; it takes at most {MAX_LOCAL_EXPERTS}")
+        self.align = align
+        self.kernels = kernels
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"DeepEP dispatcher: tokens must be bfloat16 (DeepEP combines bf16 rows), got {x.dtype}; "
+                             "train with [training] mixed_precision_param = 'bfloat16'")
+        if routing.experts.shape[1] > MAX_TOP_K:
+            raise ValueError(f"DeepEP dispatcher: top_k = {routing.experts.shape[1]}; DeepEP takes at most {MAX_TOP_K}")
+        recv_x, recv_probs, d = self._exchange(x, routing)
+        local_index = ops.routing_index(d.experts, self.local_experts, self.align,
+                                        num_slots=sum(d.tokens_per_expert), backend=self.kernels)
+        rows = ops.gather_rows(recv_x, local_index, backend=self.kernels)
+        return ExpertBatch(
+            x=rows,
+            probs=slots_to_rows(recv_probs, local_index.inv, rows.shape[0]),
+            offsets=local_index.offsets,
+            num_rows=local_index.num_rows,
+            tokens_per_expert=local_index.tokens_per_expert,
+            ctx=_Plan(local_index, d.handle),
+        )
+
+    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+        plan: _Plan = batch.ctx
+        per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts summed
+        if per_row.dtype != torch.bfloat16:
+            raise ValueError(f"DeepEP dispatcher: expert outputs must be bfloat16 (DeepEP combines bf16 rows), got "
+                             f"{per_row.dtype}; train with [training] mixed_precision_param = 'bfloat16'")
+        return self._exchange_back(per_row, plan.handle)
+
+    # -- the exchanges: outside torch.compile (DeepEP is opaque to it and syncs with the host) ----
+
+    @torch.compiler.disable
+    def _exchange(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
+        if self._replaying():
+            d = self._replayed()
+        else:
+            self._first_exchange()
+            with torch.no_grad():
+                d = self.backend.dispatch(x.detach(), routing.experts, routing.probs.detach(), self.num_experts)
+            self._keep(d)
+        recv_x, recv_probs = _Dispatch.apply(x, routing.probs, self.backend, d.handle,
+                                             [d.x.detach(), d.probs.detach()], self._kept)
+        return recv_x, recv_probs, d
+
+    @torch.compiler.disable
+    def _exchange_back(self, per_row: torch.Tensor, handle: Handle) -> torch.Tensor:
+        if self._replaying():
+            out = self._replayed()
+        else:
+            with torch.no_grad():
+                out, _ = self.backend.combine(per_row.detach(), handle)
+            self._keep(out)
+        return _Combine.apply(per_row, self.backend, handle, [out.detach()])

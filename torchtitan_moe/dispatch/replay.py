@@ -1,0 +1,41 @@
+"""Exchanges kept from a forward for its recompute under activation checkpointing.
+
+A checkpointed block runs its forward twice: in the forward pass, and again inside the
+backward pass to rebuild the activations. An exchange repeated there would cost network
+time and a host sync for a result we already had, so a dispatcher keeps each exchange's
+result (`_keep`) while the first forward runs and hands them back in order (`_replayed`)
+while the recompute runs (`_replaying`). parallelize sets `keep_exchanges` on the
+dispatchers of checkpointed blocks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class ReplaysExchanges:
+    keep_exchanges: bool = False
+
+    def __init__(self) -> None:
+        self.keep_exchanges = False
+        self._kept: deque = deque()  # this layer's exchange results, in order
+
+    def _replaying(self) -> bool:
+        # The recompute of activation checkpointing runs inside the backward pass.
+        return self.keep_exchanges and torch._C._current_graph_task_id() != -1
+
+    def _keep(self, item) -> None:
+        if self.keep_exchanges and torch.is_grad_enabled():
+            self._kept.append(item)
+
+    def _replayed(self):
+        if not self._kept:
+            raise RuntimeError(f"{type(self).__name__} replay: the recomputed forward asked for an exchange "
+                               "that was not kept")
+        return self._kept.popleft()
+
+    def _first_exchange(self) -> None:
+        """Called by a forward's first exchange: leftovers mean a forward had no backward."""
+        self._kept.clear()

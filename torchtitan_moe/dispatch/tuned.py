@@ -1,0 +1,129 @@
+"""The tuned dispatcher table: what `python -m torchtitan_moe.tune_dispatch` measured.
+
+`[dispatch] backend = "auto"` reads it to choose a dispatcher, `"deepep"` for its settings.
+A JSON file ([dispatch] tuned_file, default configs/tuned/dispatch.json):
+
+    {"version": 1, "entries": [
+      {"gpu": "NVIDIA H200", "ep": 2, "hidden": 2048, "top_k": 8, "experts": 128, "tokens_per_rank": 8192,
+       "best": "deepep",                      # the faster MoE layer forward + backward
+       "deepep": {"num_sms": 64, "dispatch_chunk": 16, "combine_chunk": 8, "buffer_tokens": 256},
+       "layer_ms": {"deepep": 9.8, "all_to_all": 11.9},            # MoE layer forward + backward
+       "dispatch_combine_ms": {"deepep": 0.8, "all_to_all": 2.9},  # dispatch + combine, fwd + bwd
+       "deep_ep_commit": "...", "torch": "...", "date": "..."}]}
+
+An entry matches a run of the same GPU model, EP degree, hidden size, top-k and experts
+whose tokens per rank are within a factor of 2 of the entry's; the nearest wins.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+from torchtitan_moe.config import ConfigError
+from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings
+
+VERSION = 1
+BACKENDS = ("deepep", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a tuned entry is measured for, and the key a run looks up."""
+
+    gpu: str
+    ep: int
+    hidden: int
+    top_k: int
+    experts: int
+    tokens_per_rank: int
+
+    def describe(self) -> str:
+        return (f"{self.gpu}, EP {self.ep}, hidden {self.hidden}, top-{self.top_k}, {self.experts} experts, "
+                f"{self.tokens_per_rank} tokens/rank")
+
+
+@dataclass
+class TunedEntry:
+    shape: Shape
+    best: str  # "deepep" or "all_to_all"
+    deepep: DeepEPSettings
+    layer_ms: dict[str, float]
+    dispatch_combine_ms: dict[str, float] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # provenance: commit, torch, date
+
+    def to_json(self) -> dict:
+        return {**asdict(self.shape), "best": self.best, "deepep": asdict(self.deepep), "layer_ms": self.layer_ms,
+                "dispatch_combine_ms": self.dispatch_combine_ms, **self.extra}
+
+
+def _entry(raw, where: str) -> TunedEntry:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a table, got {raw!r}")
+    try:
+        shape = Shape(str(raw["gpu"]), *(int(raw[k]) for k in ("ep", "hidden", "top_k", "experts", "tokens_per_rank")))
+        settings = DeepEPSettings(**{k: int(v) for k, v in raw["deepep"].items()})
+        layer_ms = {k: float(v) for k, v in raw["layer_ms"].items()}
+        combine_ms = {k: float(v) for k, v in raw.get("dispatch_combine_ms", {}).items()}
+        best = raw["best"]
+    except KeyError as e:
+        raise ConfigError(f"{where}: missing key {e}") from None
+    except (TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{where}: {e}") from None
+    if best not in BACKENDS:
+        raise ConfigError(f"{where}: best = {best!r}: expected one of {', '.join(BACKENDS)}")
+    problem = settings.problem()
+    if problem:
+        raise ConfigError(f"{where}: deepep {problem}")
+    known = set(asdict(shape)) | {"best", "deepep", "layer_ms", "dispatch_combine_ms"}
+    return TunedEntry(shape, best, settings, layer_ms, combine_ms, {k: v for k, v in raw.items() if k not in known})
+
+
+def load(path: str) -> list[TunedEntry]:
+    """The file's entries ([] when there is no file). A file that does not parse is refused in one line."""
+    if not os.path.exists(path):
+        return []
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"[dispatch] tuned_file = {path!r}: cannot read it as JSON ({e})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ConfigError(f"[dispatch] tuned_file = {path!r}: expected {{\"version\": {VERSION}, \"entries\": [...]}}")
+    if data.get("version") != VERSION:
+        raise ConfigError(f"[dispatch] tuned_file = {path!r}: version {data.get('version')!r}, this code reads {VERSION}")
+    return [_entry(raw, f"[dispatch] tuned_file = {path!r}, entry {i}") for i, raw in enumerate(data["entries"])]
+
+
+def match(entries: list[TunedEntry], shape: Shape) -> tuple[int, TunedEntry] | None:
+    """(index, entry) for `shape`: same GPU, EP, hidden, top-k, experts; nearest tokens within 2x."""
+    same = [(i, e) for i, e in enumerate(entries)
+            if (e.shape.gpu, e.shape.ep, e.shape.hidden, e.shape.top_k, e.shape.experts)
+            == (shape.gpu, shape.ep, shape.hidden, shape.top_k, shape.experts)]
+    distance = [(abs(math.log2(e.shape.tokens_per_rank / shape.tokens_per_rank)), i, e) for i, e in same]
+    near = [d for d in distance if d[0] <= 1.0]
+    if not near:
+        return None
+    _, i, e = min(near, key=lambda d: d[0])
+    return i, e
+
+
+def check_device(entry: TunedEntry, index: int, path: str, device_sms: int | None) -> None:
+    """Refuse an entry whose num_sms this GPU does not have."""
+    if device_sms is not None and entry.deepep.num_sms > device_sms:
+        raise ConfigError(f"[dispatch] tuned_file = {path!r}, entry {index}: num_sms = {entry.deepep.num_sms} but this "
+                          f"{entry.shape.gpu} has {device_sms} SMs")
+
+
+def save(path: str, entry: TunedEntry) -> None:
+    """Add `entry` to the file, replacing one of the same shape (other entries are kept)."""
+    entries = [e for e in load(path) if e.shape != entry.shape] + [entry]
+    entries.sort(key=lambda e: tuple(asdict(e.shape).values()))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"version": VERSION, "entries": [e.to_json() for e in entries]}, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)

@@ -19,7 +19,6 @@ the first forward (`keep_exchanges`) instead of communicating again.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -29,7 +28,7 @@ import torch.distributed as dist
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
 from torchtitan_moe.dispatch.exchange import exchange, replay
-from torchtitan_moe.moe.recompute import recomputing
+from torchtitan_moe.dispatch.replay import ReplaysExchanges
 from torchtitan_moe.moe.router import count_tokens
 
 if TYPE_CHECKING:
@@ -62,8 +61,9 @@ def first_per_rank(dest: torch.Tensor) -> torch.Tensor:
     return ~(same & earlier).any(dim=2)
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(ReplaysExchanges):
     def __init__(self, num_experts: int, group: dist.ProcessGroup, align: int = 1, kernels: str = "torch"):
+        super().__init__()
         self.group = group
         self.ep_size = dist.get_world_size(group)
         self.ep_rank = dist.get_rank(group)
@@ -73,23 +73,8 @@ class AllToAllDispatcher:
         self.local_experts = num_experts // self.ep_size
         self.align = align
         self.kernels = kernels
-        self.keep_exchanges = False  # set by parallelize where the block is checkpointed
-        # Results of this layer's exchanges, in order, from the forward to its recompute.
-        self._kept: deque = deque()
 
-    # -- exchanges, kept for activation-checkpointing replay --------------------------------
-
-    def _replaying(self) -> bool:
-        return self.keep_exchanges and recomputing()
-
-    def _keep(self, item) -> None:
-        if self.keep_exchanges and torch.is_grad_enabled():
-            self._kept.append(item)
-
-    def _replayed(self):
-        if not self._kept:
-            raise RuntimeError("all-to-all replay: the recomputed forward asked for an exchange that was not kept")
-        return self._kept.popleft()
+    # -- exchanges, kept for activation-checkpointing replay (dispatch/replay.py) -------------
 
     def _exchange(self, xs: list[torch.Tensor], send: list[int], recv: list[int]) -> list[torch.Tensor]:
         if self._replaying():
@@ -102,8 +87,7 @@ class AllToAllDispatcher:
         """counts [P, 2] (rows, slots) to each rank -> rows to/from each rank, slots received."""
         if self._replaying():
             return self._replayed()
-        # A forward that starts with leftovers had no backward (e.g. its loss was dropped).
-        self._kept.clear()
+        self._first_exchange()
         one_row = [1] * self.ep_size
         (recv,) = exchange([counts], one_row, one_row, self.group)
         flat = torch.cat([counts[:, 0], recv[:, 0], recv[:, 1].sum().view(1)]).tolist()  # the host sync

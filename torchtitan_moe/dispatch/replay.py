@@ -14,6 +14,8 @@ from collections import deque
 
 import torch
 
+from torchtitan_moe.moe.recompute import recomputing
+
 
 class ReplaysExchanges:
     keep_exchanges: bool = False
@@ -23,8 +25,7 @@ class ReplaysExchanges:
         self._kept: deque = deque()  # this layer's exchange results, in order
 
     def _replaying(self) -> bool:
-        # The recompute of activation checkpointing runs inside the backward pass.
-        return self.keep_exchanges and torch._C._current_graph_task_id() != -1
+        return self.keep_exchanges and recomputing()
 
     def _keep(self, item) -> None:
         if self.keep_exchanges and torch.is_grad_enabled():

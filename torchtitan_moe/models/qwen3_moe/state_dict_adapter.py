@@ -271,7 +271,8 @@ def hf_config(args: Qwen3MoEArgs, dtype: torch.dtype = torch.bfloat16) -> dict[s
         "intermediate_size": moe.top_k * moe.inter_dim,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
-        "router_aux_loss_coef": moe.aux_loss_coeff,
+        # Training only (output_router_logits is off): transformers normalizes its loss differently.
+        "router_aux_loss_coef": moe.balance_loss_coeff,
         "output_router_logits": False,
         "attention_bias": False,
         "attention_dropout": 0.0,

@@ -40,8 +40,8 @@ M = Mutation
 MUTATIONS = [
     # -- the MoE layer: experts, router, balancing ------------------------------------------------
     M("experts: zero the output", "torchtitan_moe/moe/experts.py",
-      "return torch._grouped_mm(h, w2.transpose(-2, -1), offs=batch.offsets)",
-      "return 0 * torch._grouped_mm(h, w2.transpose(-2, -1), offs=batch.offsets)",
+      "return ops.grouped_mm(h, w2.transpose(-2, -1), batch.offsets)",
+      "return 0 * ops.grouped_mm(h, w2.transpose(-2, -1), batch.offsets)",
       ("tests/test_moe_layer.py",)),
     M("experts: drop the probabilities", "torchtitan_moe/moe/experts.py",
       "ops.swiglu_prob(ab, batch.probs,", "ops.swiglu_prob(ab, torch.ones_like(batch.probs),",
@@ -91,8 +91,9 @@ MUTATIONS = [
       "order = torch.sort(key, stable=True).indices", "order = torch.sort(key, stable=True, descending=True).indices",
       ("tests/ops/test_permute.py", "-k", "torch")),
     # -- expert parallelism, FSDP, sharded init, the model ----------------------------------------
-    M("all-to-all: halve the gradient on the way back", "torchtitan_moe/dispatch/all_to_all.py",
-      "return out, None, None, None, None", "return out * 0.5, None, None, None, None",
+    M("all-to-all: halve the gradient on the way back", "torchtitan_moe/dispatch/exchange.py",
+      "return _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name), None, None, None",
+      "return [g * 0.5 for g in _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name)], None, None, None",
       ("tests/test_all_to_all.py", "-k", "2-none-False-False")),
     M("all-to-all: rows to the wrong local expert", "torchtitan_moe/dispatch/all_to_all.py",
       "experts[token] % self.local_experts", "(experts[token] + 1) % self.local_experts",
@@ -107,7 +108,7 @@ MUTATIONS = [
       "with full_tensors(layer):", "with __import__('contextlib').nullcontext():",
       ("tests/test_train_cpu.py", "-k", "learns")),
     M("model: the block drops the MoE output", "torchtitan_moe/models/qwen3_moe/model.py",
-      "return x + self.moe(self.ffn_norm(x))", "return x + 0 * self.moe(self.ffn_norm(x))",
+      "return h + self.moe(moe_input)", "return h + 0 * self.moe(moe_input)",
       ("tests/test_sharded_init.py", "-k", "two_rank")),
     # -- checks and the parity harness -------------------------------------------------------------
     M("router-init: ties at the k-th choice only", "torchtitan_moe/checks/router_init.py",

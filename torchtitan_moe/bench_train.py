@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_moe.parity import log_tail, read_metrics, run_training
+from torchtitan_moe.parity import log_tail, read_metrics, run_training, split_overrides
 
 MODELS = ("torchtitan", "local", "all_to_all", "deepep")
 ROUTERS = ("learned", "balanced")
@@ -114,10 +114,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    extra = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_overrides(argv)
     parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.bench_train", description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("--steps", type=int, default=30)

@@ -256,11 +256,16 @@ def plot(names: list[str], runs: list[list[dict]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv -> (the tool's own arguments, the training overrides after `--`)."""
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1 :]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    extra = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, extra = argv[:cut], argv[cut + 1 :]
+    argv, extra = split_overrides(argv)
     parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
     parser.add_argument("--vary", action="append", required=True, help="section.key=v1,v2,... (repeatable)")

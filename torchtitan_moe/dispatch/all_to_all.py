@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.dispatch.base import ExpertBatch, expert_major
 from torchtitan_moe.dispatch.exchange import exchange, replay
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
 from torchtitan_moe.moe.router import count_tokens
@@ -120,18 +120,10 @@ class AllToAllDispatcher(ReplaysExchanges):
 
         recv, recv_meta = self._exchange([rows, meta], send_rows, recv_rows)  # [R, D], [R, 2K]
         local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
-        local_index = ops.routing_index(
-            local_ids, self.local_experts, self.align, num_slots=recv_slots, backend=self.kernels
-        )
-        expert_rows = ops.gather_rows(recv, local_index, backend=self.kernels)
-        return ExpertBatch(
-            x=expert_rows,
-            probs=slots_to_rows(local_probs, local_index.inv, expert_rows.shape[0]),
-            offsets=local_index.offsets,
-            num_rows=local_index.num_rows,
-            tokens_per_expert=local_index.tokens_per_expert,
-            ctx=_Plan(send_index, local_index, send_rows, recv_rows),
-        )
+        batch, local_index = expert_major(recv, local_ids, local_probs, self.local_experts, self.align, self.kernels,
+                                          num_slots=recv_slots)
+        batch.ctx = _Plan(send_index, local_index, send_rows, recv_rows)
+        return batch
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         plan: _Plan = batch.ctx

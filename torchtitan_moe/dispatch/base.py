@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from torchtitan_moe import ops
+
 if TYPE_CHECKING:  # the moe package imports this one: annotations only
     from torchtitan_moe.moe.router import Routing
 
@@ -37,6 +39,19 @@ class Dispatcher(Protocol):
     def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch: ...
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor: ...
+
+
+def expert_major(
+    x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int, align: int, kernels: str,
+    num_slots: int | None = None,
+) -> tuple[ExpertBatch, ops.RoutingIndex]:
+    """Rows x [R, D] with K slots each (experts [R, K], -1 for none; probs [R, K]) -> the ExpertBatch
+    (ctx unset: the dispatcher's) and its RoutingIndex. Every dispatcher ends its dispatch here."""
+    index = ops.routing_index(experts, num_experts, align, num_slots=num_slots, backend=kernels)
+    rows = ops.gather_rows(x, index, backend=kernels)
+    batch = ExpertBatch(x=rows, probs=slots_to_rows(probs, index.inv, rows.shape[0]), offsets=index.offsets,
+                        num_rows=index.num_rows, tokens_per_expert=index.tokens_per_expert, ctx=None)
+    return batch, index
 
 
 def slots_to_rows(values: torch.Tensor, inv: torch.Tensor, num_rows_alloc: int) -> torch.Tensor:

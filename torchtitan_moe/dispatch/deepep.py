@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.dispatch.base import ExpertBatch, expert_major
 from torchtitan_moe.dispatch.deepep_backend import MAX_LOCAL_EXPERTS, MAX_TOP_K, DeepEPBackend, Dispatched, Handle
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
 
@@ -102,17 +102,10 @@ class DeepEPDispatcher(ReplaysExchanges):
         if routing.experts.shape[1] > MAX_TOP_K:
             raise ValueError(f"DeepEP dispatcher: top_k = {routing.experts.shape[1]}; DeepEP takes at most {MAX_TOP_K}")
         recv_x, recv_probs, d = self._exchange(x, routing)
-        local_index = ops.routing_index(d.experts, self.local_experts, self.align,
-                                        num_slots=sum(d.tokens_per_expert), backend=self.kernels)
-        rows = ops.gather_rows(recv_x, local_index, backend=self.kernels)
-        return ExpertBatch(
-            x=rows,
-            probs=slots_to_rows(recv_probs, local_index.inv, rows.shape[0]),
-            offsets=local_index.offsets,
-            num_rows=local_index.num_rows,
-            tokens_per_expert=local_index.tokens_per_expert,
-            ctx=_Plan(local_index, d.handle),
-        )
+        batch, local_index = expert_major(recv_x, d.experts, recv_probs, self.local_experts, self.align,
+                                          self.kernels, num_slots=sum(d.tokens_per_expert))
+        batch.ctx = _Plan(local_index, d.handle)
+        return batch
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         plan: _Plan = batch.ctx

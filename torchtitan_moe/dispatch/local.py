@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
+from torchtitan_moe.dispatch.base import ExpertBatch, expert_major
 
 if TYPE_CHECKING:  # the moe package imports this one: annotations only
     from torchtitan_moe.moe.router import Routing
@@ -26,17 +26,9 @@ class LocalDispatcher:
         self.kernels = kernels
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
-        index = ops.routing_index(routing.experts, self.num_experts, self.align, backend=self.kernels)
-        rows = ops.gather_rows(x, index, backend=self.kernels)
-        probs = slots_to_rows(routing.probs, index.inv, rows.shape[0])
-        return ExpertBatch(
-            x=rows,
-            probs=probs,
-            offsets=index.offsets,
-            num_rows=index.num_rows,
-            tokens_per_expert=index.tokens_per_expert,
-            ctx=index,
-        )
+        batch, index = expert_major(x, routing.experts, routing.probs, self.num_experts, self.align, self.kernels)
+        batch.ctx = index
+        return batch
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
         return ops.combine(y, batch.ctx, backend=self.kernels)

@@ -103,5 +103,8 @@ def test_compiled_layer_matches_eager(kernels):
             results[-1] = [t.detach().clone() for t in results[-1]]
             layer.zero_grad()
         for name, a, b in zip(["out", "dx", "dgate", "dw13", "dw2"], *results):
-            scale = a.abs().max()
-            assert (a - b).abs().max() <= 1e-5 * scale, f"{name}: compiled differs from eager"
+            # fp32: summation order only. bf16 results: one rounding step of the largest value, the
+            # most that a GEMM choosing another reduction order can move them (a wrong gradient
+            # such as the old compiled all-to-all's is off by the whole value).
+            rtol = 1e-5 if a.dtype == torch.float32 else 2.0 ** -7
+            assert (a - b).abs().max() <= rtol * a.abs().max(), f"{name}: compiled differs from eager"

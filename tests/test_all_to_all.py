@@ -1,15 +1,14 @@
 """The all-to-all dispatcher against the local one, forward and backward, on gloo ranks."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from numerics import assert_close_to_max
 from torch.utils.checkpoint import checkpoint
 
+from spawn_ranks import run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher, first_per_rank
 from torchtitan_moe.moe import MoE, MoEArgs
 
@@ -84,11 +83,6 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.parametrize(
     "world, padding, zero_gate, use_checkpoint",
@@ -100,14 +94,7 @@ def free_port() -> int:
     ],
 )
 def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint):
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(worker, args=(world, free_port(), padding, zero_gate, use_checkpoint, failures), nprocs=world)
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        pytest.fail("\n".join(messages) or "a rank failed")
+    run_ranks(worker, world, padding, zero_gate, use_checkpoint)
 
 
 def test_first_per_rank_marks_one_slot_per_token_and_rank():

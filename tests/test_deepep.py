@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.utils.checkpoint import checkpoint
 
+from spawn_ranks import run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
@@ -177,21 +177,9 @@ def run_error_checks(rank: int) -> None:
     check_group(dist.group.WORLD)  # one host, no GPUs to check: passes
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def spawn(world: int, mode: str, padding: str, case: str) -> None:
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(worker, args=(world, free_port(), mode, padding, case, failures), nprocs=world)
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        pytest.fail("\n".join(messages) or "a rank failed")
+    run_ranks(worker, world, mode, padding, case)
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,12 @@ compiled (aot_eager and inductor), on gloo here and on NCCL with 2 GPUs.
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from spawn_ranks import run_ranks
 from torchtitan_moe.dispatch.exchange import exchange, replay
 
 D = 8
@@ -92,27 +91,12 @@ def worker(rank, world, port, backend, failures):
     os._exit(0)  # skip interpreter teardown, where gloo can abort a finished process (train.exit_process)
 
 
-def run(backend: str, world: int = 2) -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    failures = mp.get_context("spawn").SimpleQueue()  # put() is synchronous: nothing lost at os._exit
-    try:
-        mp.spawn(worker, args=(world, port, backend, failures), nprocs=world)
-    except mp.ProcessRaisedException:
-        pass
-    messages = []
-    while not failures.empty():
-        messages.append(failures.get())
-    assert not messages, "\n".join(messages)
-
-
 def test_exchange_gloo():
-    run("gloo")
+    run_ranks(worker, 2, "gloo")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_exchange_nccl():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    run("nccl")
+    run_ranks(worker, 2, "nccl")

@@ -7,13 +7,12 @@ wait); rank 0 compares. The micro-batch loss, on the same layouts, does change w
 """
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from spawn_ranks import run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.balance import reduce_step_stats
@@ -113,18 +112,6 @@ def worker(rank: int, world: int, port: int, failures) -> None:
         dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_global_batch_loss_is_the_same_on_every_layout():
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(worker, args=(4, free_port(), failures), nprocs=4)
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        pytest.fail("\n".join(messages) or "a rank failed")
+    run_ranks(worker, 4)

@@ -4,17 +4,16 @@ gate rows are clones, and the gradients of one batch split over the ranks equal 
 process's gradients of the whole batch (FSDP sums, EP exchanges, nothing halved or doubled)."""
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from numerics import assert_close_to_max
+from spawn_ranks import run_ranks
 from torchtitan_moe.models.sharded_init import full_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,11 +24,6 @@ BATCH, SEQ = 4, 32  # the global batch, split over the ranks by sequence
 def full(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str, failures) -> None:
@@ -68,14 +62,7 @@ def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str
 
 def first_step(tmp_path: Path, world: int, *overrides: str) -> dict[str, dict[str, torch.Tensor]]:
     out = tmp_path / f"init_{world}_{'_'.join(overrides).replace('-', '')}.pt"
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(init_worker, args=(world, free_port(), list(overrides), str(out), failures), nprocs=world)
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        pytest.fail("\n".join(messages) or "a rank failed")
+    run_ranks(init_worker, world, list(overrides), str(out))
     return torch.load(out)
 
 
@@ -149,11 +136,4 @@ def full_tensors_worker(rank: int, world: int, port: int, failures) -> None:
 
 
 def test_full_tensors_gives_each_rank_its_slice_of_one_process_init():
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(full_tensors_worker, args=(2, free_port(), failures), nprocs=2)
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        pytest.fail("\n".join(messages) or "a rank failed")
+    run_ranks(full_tensors_worker, 2)

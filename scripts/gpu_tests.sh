@@ -29,11 +29,15 @@ echo "gpu tier: $gpus"
 
 start=$SECONDS
 files=$(grep -l "pytest.mark.gpu" tests/*.py)
-"$py" -m pytest -q -rs -p no:cacheprovider --junitxml "$out/gpu_tests.xml" tests/ops tests/test_moe_layer.py $files \
-    > "$out/gpu_tests.log" 2>&1
+# -v names each test as it starts, and FAILURES_LOG keeps each failure as it happens: a run stopped
+# by a time limit still shows where it was and what had failed.
+rm -f "$out/failures.log"
+FAILURES_LOG="$out/failures.log" "$py" -m pytest -v -rs --durations 15 -p no:cacheprovider \
+    --junitxml "$out/gpu_tests.xml" tests/ops tests/test_moe_layer.py $files > "$out/gpu_tests.log" 2>&1
 code=$?
 # Failures (with their assertion text) and skip reasons, then the one summary line.
-grep -E "^(FAILED|ERROR|SKIPPED)|^E  " "$out/gpu_tests.log" | head -n 60
+[ -s "$out/failures.log" ] && grep -E "^FAILED|^E  " "$out/failures.log" | head -n 60
+grep -E "^SKIPPED" "$out/gpu_tests.log" | head -n 30
 result=$(tail -n 1 "$out/gpu_tests.log" | tr -d '=' | sed 's/^ *//; s/ *$//')
 skips=$(grep -E "^SKIPPED" "$out/gpu_tests.log" | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+(:[0-9]+)?: //' | sort -u | paste -sd '|' - | sed 's/|/; /g')
 verdict=$([ "$code" -eq 0 ] && echo PASS || echo FAIL)

@@ -2,6 +2,9 @@
 the tests marked `gpu` there.
 
 TRITON_INTERPRET must be set before any kernel module is imported, hence here.
+
+With FAILURES_LOG=PATH each failure's report is appended to PATH as it happens, so a run that is
+stopped by a time limit (a device call) still says what failed (scripts/gpu_tests.sh sets it).
 """
 
 import os
@@ -20,3 +23,10 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("FAILURES_LOG")
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")

@@ -93,7 +93,9 @@ def test_bad_arguments(kwargs, match):
 
 
 def test_triton_on_cpu_without_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from torchtitan_moe.ops import _backend
+
+    monkeypatch.setattr(_backend, "_INTERPRET", False)  # TRITON_INTERPRET is read once, at import
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         ops.routing_index(torch.zeros(4, 2, dtype=torch.long), 3, backend="triton")
 

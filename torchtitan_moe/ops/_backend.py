@@ -11,6 +11,9 @@ import os
 import torch
 
 BACKENDS = ("triton", "torch")
+# Read once at import: use_triton runs inside compiled regions, where dynamo refuses find_spec.
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def use_triton(backend: str, *tensors: torch.Tensor) -> bool:
@@ -23,11 +26,10 @@ def use_triton(backend: str, *tensors: torch.Tensor) -> bool:
         raise ValueError(f"backend = {backend!r}: expected one of {', '.join(map(repr, BACKENDS))}")
     if backend == "torch":
         return False
-    if importlib.util.find_spec("triton") is None:
+    if not _HAS_TRITON:
         raise RuntimeError("backend='triton' needs the triton package, which is not installed; use backend='torch'")
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
     for t in tensors:
-        if t.device.type != "cuda" and not (interpret and t.device.type == "cpu"):
+        if t.device.type != "cuda" and not (_INTERPRET and t.device.type == "cpu"):
             raise RuntimeError(
                 f"backend='triton' got a tensor on {t.device}: it needs CUDA tensors "
                 "(or CPU tensors with TRITON_INTERPRET=1); use backend='torch'"

@@ -1,6 +1,7 @@
 """End to end on GPUs (the CPU tier's training and parity runs, with NCCL and Triton kernels):
 
-- the debug model trains on 1 GPU with the Triton kernels (bf16, as the GPU configs train);
+- the debug model trains on 1 GPU with the Triton kernels (bf16, as the GPU configs train), and
+  its losses track fp32's from one seed checkpoint;
 - a zero-initialized gate stops the run before step 1;
 - two runs of one setting are bitwise identical (deterministic algorithms);
 - EP = 2 (all-to-all dispatcher, Triton kernels) matches EP = 1 from the same seed checkpoint,
@@ -42,12 +43,26 @@ def test_debug_model_trains_on_one_gpu_with_triton_kernels(tmp_path):
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(1, 31))
     assert 0.9 * math.log(2048) < losses[0] < 1.1 * math.log(2048), losses
-    # The CPU tier's fp32 run reaches 2.19 at step 30; bf16 gets a little more room.
-    assert losses[-1] < chain_entropy(4) + 1.5, losses
+    # One process sees half the tokens per step of the CPU tier's two (which reach 2.19): on an
+    # H200 fp32/torch and bf16/Triton both reach 2.93 at step 30 (the test below compares them).
+    assert losses[-1] < chain_entropy(4) + 2.0, losses
     assert all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in records)
     loads = records[0]["moe/tokens_per_expert"]
     assert all(sum(layer) == 8 * 128 * 2 for layer in loads)  # batch x seq x top-k
     assert all(layer[:4] != layer[4:] for layer in loads), loads  # no clone experts
+
+
+def test_bf16_triton_tracks_fp32_from_one_seed_checkpoint(parity_out):
+    # bf16 parameters with the Triton kernels against fp32 (whose Triton and torch runs agree to
+    # 1e-7): measured on an H200 within 5.0e-3 (loss) and 1.5e-2 (grad norm) over 30 steps.
+    # Dropped probabilities or a wrong gradient move the loss by far more.
+    out = parity_out / "bf16"
+    code = parity([DEBUG, "--vary", "training.mixed_precision_param=float32,bfloat16", "--steps", "30",
+                   "--nproc", "1", "--loss-rtol", "2e-2", "--grad-rtol", "5e-2", "--out", str(out), "--no-plot",
+                   "--", "--kernels.backend", "triton"])
+    report = (out / "parity.md").read_text()
+    print(report)
+    assert code == 0, report
 
 
 def test_zero_initialized_gate_stops_the_run_before_step_1(tmp_path):

@@ -61,18 +61,22 @@ def test_grouped_mm_opcheck():
     torch.library.opcheck(torch.ops.torchtitan_moe.grouped_mm, (x, w, offsets), test_utils=OPCHECK_TESTS)
 
 
-def test_grouped_mm_matches_per_expert_matmuls():
+@pytest.mark.parametrize("layout", ["EDF", "EFD transposed"])
+def test_grouped_mm_matches_per_expert_matmuls(layout):
     """Forward and both gradients against one matmul per expert in float64; the expert
-    without rows gets an exact-zero weight gradient; rows past offsets[-1] are never read."""
+    without rows gets an exact-zero weight gradient; rows past offsets[-1] are never read;
+    the weight gradient has the weight's strides (the experts pass a transposed [E, F, D] view:
+    a gradient in another layout costs a transposing pass over the weight when accumulated)."""
     E, D, F, N = 4, 16, 32, 16
     offsets = torch.tensor([3, 3, 11, 14], dtype=torch.int32, device=DEVICE)
     x = torch.randn(N, D, device=DEVICE)
     x[14:] = float("nan")
-    w = torch.randn(E, D, F, device=DEVICE)
+    w = torch.randn(E, D, F, device=DEVICE) if layout == "EDF" else torch.randn(E, F, D, device=DEVICE).transpose(-2, -1)
     dy = torch.randn(N, F, device=DEVICE)
     x.requires_grad_(), w.requires_grad_()
     y = ops.grouped_mm(x, w, offsets)
     dx, dw = torch.autograd.grad(y[:14], (x, w), dy[:14])
+    assert dw.stride() == w.stride(), (dw.stride(), w.stride())
     starts = [0, 3, 3, 11]
     for e, (s, t) in enumerate(zip(starts, offsets.tolist())):
         xe, we, dye = x[s:t].double(), w[e].double(), dy[s:t].double()

@@ -91,6 +91,13 @@ MUTATIONS = [
       "order = torch.sort(key, stable=True).indices", "order = torch.sort(key, stable=True, descending=True).indices",
       ("tests/ops/test_permute.py", "-k", "torch")),
     # -- expert parallelism, FSDP, sharded init, the model ----------------------------------------
+    M("grouped_mm: halve the weight gradient", "torchtitan_moe/ops/grouped_mm.py",
+      "dw = _grouped_mm_weight(dy, x, offsets).transpose(-2, -1)",
+      "dw = 0.5 * _grouped_mm_weight(dy, x, offsets).transpose(-2, -1)",
+      ("tests/ops/test_custom_ops.py",)),
+    M("grouped_mm: weight gradient in the GEMM's layout, not the weight's", "torchtitan_moe/ops/grouped_mm.py",
+      "if w.stride(-2) == 1 and w.stride(-1) != 1:", "if False:",
+      ("tests/ops/test_custom_ops.py",)),
     M("all-to-all: halve the gradient on the way back", "torchtitan_moe/dispatch/exchange.py",
       "return _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name), None, None, None",
       "return [g * 0.5 for g in _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name)], None, None, None",

@@ -1,7 +1,8 @@
 """Test-wide setup: run Triton kernels under the interpreter where there is no GPU, and skip
 the tests marked `gpu` there.
 
-TRITON_INTERPRET must be set before any kernel module is imported, hence here.
+TRITON_INTERPRET must be set before any kernel module is imported, hence here. Compile caches
+are off for every test.
 
 With FAILURES_LOG=PATH each failure's report is appended to PATH as it happens, so a run that is
 stopped by a time limit (a device call) still says what failed (scripts/gpu_tests.sh sets it).
@@ -14,6 +15,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# No compile caches, here or in the processes tests start: a cached graph keeps an op's old
+# registered backward after the op changes (a halved exchange gradient passed a compiled test).
+os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
+torch.compiler.config.force_disable_caches = True
 
 
 def pytest_collection_modifyitems(items):

@@ -40,7 +40,7 @@ def count_exchanges(monkeypatch_target: list) -> None:
     dist.all_to_all_single = counting
 
 
-def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, failures):
+def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, failures):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -64,7 +64,8 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
         ep.set_dispatcher(dispatcher)
         calls: list = []
         count_exchanges(calls)
-        out = forward_backward(ep, x, grad, use_checkpoint)
+        # The whole layer under torch.compile: the exchange is one opaque custom op in its graph.
+        out = forward_backward(torch.compile(ep, backend=compiler) if compiler else ep, x, grad, use_checkpoint)
 
         for name, got, expected in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), out,
                                        (*ref[:3], ref_w13[mine], ref_w2[mine])):
@@ -85,16 +86,17 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
 
 
 @pytest.mark.parametrize(
-    "world, padding, zero_gate, use_checkpoint",
+    "world, padding, zero_gate, use_checkpoint, compiler",
     [
-        (2, "none", False, False),
-        (4, "always", False, False),
-        (4, "none", True, False),  # every token to experts 0..2: ranks 1-3 receive nothing
-        (2, "always", False, True),  # activation checkpointing replays the exchanges
+        (2, "none", False, False, None),
+        (4, "always", False, False, None),
+        (4, "none", True, False, None),  # every token to experts 0..2: ranks 1-3 receive nothing
+        (2, "always", False, True, None),  # activation checkpointing replays the exchanges
+        pytest.param(2, "none", False, False, "inductor", marks=pytest.mark.slow),  # ~40 s of compiling
     ],
 )
-def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint):
-    run_ranks(worker, world, padding, zero_gate, use_checkpoint)
+def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint, compiler):
+    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler)
 
 
 def test_first_per_rank_marks_one_slot_per_token_and_rank():

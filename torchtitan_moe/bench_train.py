@@ -2,7 +2,7 @@
 
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
-        [--modes eager,compiled] [--out DIR] [-- --section.key value ...]
+        [--modes eager,compiled] [--profile] [--out DIR] [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
@@ -12,6 +12,11 @@ loss, with the ratios to torchtitan eager and compiled with the same router, mea
 this run. Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
 the variants should train alike) to --out. A variant that fails is reported as failed, with
 its log, and the others still run. torchtitan's MoE runs on CUDA only.
+
+--profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
+torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
+breakdown to the report: GPU busy and idle, launches, host syncs, GPU time per kernel class and the
+top kernels (torchtitan_moe.step_profile).
 """
 
 from __future__ import annotations
@@ -26,11 +31,13 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_moe import step_profile
 from torchtitan_moe.parity import log_tail, read_metrics, run_training, split_overrides
 
 MODELS = ("torchtitan", "local", "all_to_all", "deepep")
 ROUTERS = ("learned", "balanced")
 MODES = ("eager", "compiled")
+PROFILED_STEPS = 3  # traced at the end of a --profile run, after one warm-up step of the profiler
 
 
 @dataclass
@@ -60,8 +67,23 @@ def available_models(ep: int) -> list[str]:
     return (["torchtitan"] if torch.cuda.is_available() else []) + ours
 
 
-def summarize(records: list[dict], warmup: int) -> dict:
-    timed = [r for r in records if r["step"] > warmup] or records
+def profiling_overrides(steps: int) -> list[str]:
+    """torchtitan's profiler on the last PROFILED_STEPS steps (its trace lands in iteration_<steps>)."""
+    if steps < PROFILED_STEPS + 2:
+        raise SystemExit(f"bench_train: --profile needs --steps >= {PROFILED_STEPS + 2}, got {steps}")
+    return ["--profiling.enable_profiling", "--profiling.profile_freq", str(steps),
+            "--profiling.profiler_warmup", "1", "--profiling.profiler_active", str(PROFILED_STEPS)]
+
+
+def profile_of(dump: Path, steps: int) -> dict | None:
+    trace = dump / "profile_traces" / f"iteration_{steps}" / "rank0_trace.json"
+    return step_profile.breakdown(step_profile.load(trace)) if trace.exists() else None
+
+
+def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
+    """Medians over the steps after `warmup`, leaving out the last `last_untimed` (profiled) ones."""
+    end = records[-1]["step"] - last_untimed
+    timed = [r for r in records if warmup < r["step"] <= end] or records
     result = {
         "tps": statistics.median(r["throughput(tps)"] for r in timed),
         "tflops": statistics.median(r["tflops"] for r in timed),
@@ -123,6 +145,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all that run here)")
     parser.add_argument("--routers", default="learned,balanced")
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)
     args.extra = extra
@@ -155,18 +178,27 @@ def main(argv: list[str] | None = None) -> int:
         dump, log = out / slug, out / f"{slug}.log"
         (dump / "metrics.jsonl").unlink(missing_ok=True)
         print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes", flush=True)
-        overrides = [*v.overrides(), "--training.steps", str(args.steps), "--metrics.log_freq", "1", *args.extra]
+        overrides = [*v.overrides(), "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+                     *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
         code = run_training(args.config, dump, overrides, nproc, log)
         if code != 0 or not (dump / "metrics.jsonl").exists():
             results[v.name] = {"failed": f"exit {code}, {log}"}
             print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
             continue
-        results[v.name] = summarize(read_metrics(dump), args.warmup)
+        results[v.name] = summarize(read_metrics(dump), args.warmup, PROFILED_STEPS + 1 if args.profile else 0)
         print(f"  {results[v.name]['tps']:,.0f} tokens/s/GPU", flush=True)
+        if args.profile:
+            results[v.name]["profile"] = profile_of(dump, args.steps)
 
     report = table(variants, results)
+    for v in variants if args.profile else []:
+        profile = results[v.name].get("profile")
+        report += f"\n\n### {v.name}: step-time breakdown, rank 0, the last {PROFILED_STEPS} steps\n\n"
+        report += step_profile.render(profile) if profile else "no trace was written (see its log)"
     print(report)
-    header = f"config: {args.config} {' '.join(args.extra)}\nsteps: {args.steps}, medians after step {args.warmup}, {nproc} processes\n\n"
+    untimed = f", the last {PROFILED_STEPS + 1} (profiled) left out" if args.profile else ""
+    header = (f"config: {args.config} {' '.join(args.extra)}\n"
+              f"steps: {args.steps}, medians after step {args.warmup}{untimed}, {nproc} processes\n\n")
     (out / "bench_train.md").write_text(header + report + "\n")
     (out / "bench_train.json").write_text(json.dumps(results, indent=1))
     if importlib.util.find_spec("matplotlib"):

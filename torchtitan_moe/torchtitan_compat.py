@@ -106,7 +106,7 @@ def merged_config_class() -> type:
 # torchtitan 0.2.2 picks "cuda" when no accelerator is found, then calls a CUDA-shaped
 # device module (set_device, memory_stats, get_device_properties, ...). On a CPU machine we
 # point it at `_CpuDeviceModule`, which answers those calls for the host: memory is the
-# process's peak resident set size. FSDP2's gradient reduce-scatter uses averaging ops that
+# process's peak resident set size; its profiler traces the host alone. FSDP2's gradient reduce-scatter uses averaging ops that
 # gloo lacks, so FSDP modules are told to reduce with plain sums (`use_sum_reductions`).
 # ---------------------------------------------------------------------------------------
 
@@ -184,6 +184,24 @@ def enable_cpu_training() -> None:
             module.device_module = cpu_module
     # `set_pg_timeouts` passes device_ids to a barrier, which gloo rejects.
     dist_utils.set_pg_timeouts = _set_pg_timeouts_gloo
+    # `[profiling]` passes [CPU, None] as the activities when there is no accelerator.
+    sys.modules["torchtitan.tools.profiling"].torch = _TorchWithCpuProfiler()
+
+
+class _TorchWithCpuProfiler:
+    """`torch` as torchtitan.tools.profiling sees it on a CPU machine: its profiler traces the
+    host alone (torch.profiler refuses the None that stands for the missing accelerator)."""
+
+    class profiler:
+        ProfilerActivity = torch.profiler.ProfilerActivity
+        schedule = staticmethod(torch.profiler.schedule)
+
+        @staticmethod
+        def profile(*, activities, **kwargs):
+            return torch.profiler.profile(activities=[a for a in activities if a is not None], **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
 
 
 def _set_pg_timeouts_gloo(timeout, parallel_dims) -> None:

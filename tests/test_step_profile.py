@@ -1,0 +1,98 @@
+"""step_profile: the step-time breakdown of a profiler trace, on a crafted trace and a real CPU run."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchtitan_moe import bench_train, step_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def event(name, cat, ts, dur, **extra):
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, **extra}
+
+
+def crafted_trace(path: Path) -> Path:
+    """Two steps of 1000 µs. Step 0: a GEMM on stream 7 (100-400) overlapping an NCCL kernel on
+    stream 20 (300-600), our Triton kernel (700-750), a copy (800-820); 4 launches, 2 syncs of 50
+    and 30 µs. Step 1: one elementwise kernel (1100-1300) and one that runs past the step's end
+    (1900-2100: only 100 µs of it is inside); 2 launches, no sync."""
+    events = [
+        event("ProfilerStep#4", "user_annotation", 0, 1000),
+        event("ProfilerStep#5", "user_annotation", 1000, 1000),
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 100, 300, tid=7),
+        event("ncclDevKernel_AllToAll", "kernel", 300, 300, tid=20),
+        event("_swiglu_prob_fwd_kernel", "kernel", 700, 50, tid=7),
+        event("Memcpy DtoD (Device -> Device)", "gpu_memcpy", 800, 20, tid=7),
+        event("void at::native::vectorized_elementwise_kernel<4>", "kernel", 1100, 200, tid=7),
+        event("triton_poi_fused_add_0", "kernel", 1900, 200, tid=7),
+        *[event("cudaLaunchKernel", "cuda_runtime", t, 5) for t in (50, 60, 650, 690, 1050, 1850)],
+        event("cudaStreamSynchronize", "cuda_runtime", 200, 50),
+        event("cudaDeviceSynchronize", "cuda_runtime", 900, 30),
+        event("aten::mm", "cpu_op", 40, 20),
+    ]
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_breakdown_of_a_crafted_trace(tmp_path):
+    result = step_profile.breakdown(step_profile.load(crafted_trace(tmp_path / "t.json")))
+    first, second = result["steps"]
+    assert first["step"] == 4 and second["step"] == 5
+    # Busy: 100-600 (GEMM and NCCL overlap, counted once) + 50 + 20 = 570 µs.
+    assert first["wall_ms"] == pytest.approx(1.0)
+    assert first["gpu_busy_ms"] == pytest.approx(0.57) and first["gpu_idle_ms"] == pytest.approx(0.43)
+    assert (first["launches"], first["host_syncs"]) == (4, 2) and first["host_sync_ms"] == pytest.approx(0.08)
+    # Step 1: 200 µs + the 100 µs of the late kernel that fall inside it.
+    assert second["gpu_busy_ms"] == pytest.approx(0.3) and (second["launches"], second["host_syncs"]) == (2, 0)
+    assert result["mean"]["gpu_busy_ms"] == pytest.approx(0.435)
+    classes = {name: k["class"] for name, k in result["kernels"].items()}
+    assert classes == {
+        "sm90_xmma_gemm_bf16bf16_bf16f32": "GEMM", "ncclDevKernel_AllToAll": "NCCL",
+        "_swiglu_prob_fwd_kernel": "Triton ours", "Memcpy DtoD (Device -> Device)": "elementwise/copy",
+        "void at::native::vectorized_elementwise_kernel<4>": "elementwise/copy",
+        "triton_poi_fused_add_0": "Triton compiled",
+    }
+    # Per step: the GEMM's 300 µs over 2 steps; a kernel is counted whole in the step it starts in.
+    assert result["kernels"]["sm90_xmma_gemm_bf16bf16_bf16f32"]["ms"] == pytest.approx(0.15)
+    assert result["classes"]["Triton compiled"] == pytest.approx(0.1)
+    table = step_profile.render(result, top=3)
+    assert "| mean | 1.00 | 0.43 | 0.56 | 56.5% | 3 | 1 | 0.04 |" in table
+    top = table.split("top 3 kernels")[1]
+    # Largest first: the GEMM and NCCL kernels (300 µs), then the elementwise one (200); not ours (50).
+    assert max(top.index("sm90_xmma_gemm"), top.index("ncclDevKernel")) < top.index("vectorized_elementwise")
+    assert "_swiglu_prob_fwd_kernel" not in top
+    assert "| sm90_xmma_gemm_bf16bf16_bf16f32 | GEMM | 0.150 | 0.5 |" in top
+
+
+def test_a_trace_without_steps_or_unreadable_is_refused_in_one_line(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"traceEvents": [event("aten::mm", "cpu_op", 0, 1)]}))
+    with pytest.raises(SystemExit, match="no ProfilerStep#N ranges"):
+        step_profile.breakdown(step_profile.load(bad))
+    (tmp_path / "torn.json").write_text("{")
+    with pytest.raises(SystemExit, match="cannot read .*torn.json as a chrome trace"):
+        step_profile.load(tmp_path / "torn.json")
+
+
+def test_profiled_steps_are_left_out_of_the_medians():
+    records = [{"step": s, "throughput(tps)": 100.0 if s <= 6 else 1.0, "tflops": 1.0, "loss": 1.0,
+                "memory/max_reserved(GiB)": 1.0} for s in range(1, 11)]
+    assert bench_train.summarize(records, warmup=2, last_untimed=4)["tps"] == 100.0
+    assert bench_train.summarize(records, warmup=2)["tps"] < 100.0
+
+
+@pytest.mark.slow
+def test_bench_train_profile_on_cpu(tmp_path):
+    # torchtitan's [profiling] through our trainer on a CPU machine (the shim gives its profiler the
+    # host alone), the trace found and broken down in the report.
+    code = bench_train.main([str(ROOT / "configs" / "debug.toml"), "--steps", "6", "--warmup", "1", "--nproc", "1",
+                             "--models", "local", "--routers", "learned", "--modes", "eager", "--profile",
+                             "--out", str(tmp_path)])
+    report = (tmp_path / "bench_train.md").read_text()
+    assert code == 0, report
+    assert "the last 4 (profiled) left out" in report and "step-time breakdown" in report
+    assert "no GPU activity in this trace" in report
+    assert sum(line.startswith("| ") and line.split("|")[1].strip().isdigit() for line in report.splitlines()) == 3

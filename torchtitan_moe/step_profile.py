@@ -1,0 +1,153 @@
+"""Where a training step's time goes, from one rank's torch.profiler trace.
+
+    python -m torchtitan_moe.step_profile TRACE.json [--top 15] [--json OUT.json]
+
+TRACE is a chrome trace as torchtitan's `[profiling]` writes it
+(<dump>/<save_traces_folder>/iteration_N/rankR_trace.json; `bench_train --profile` turns it on).
+For each profiled step (torch.profiler's `ProfilerStep#N` ranges; under torchtitan's Trainer
+ProfilerStep#N is training step N + 1) and their mean, it prints:
+
+  wall       the step's host-side range, ms
+  GPU busy   the union of kernels, copies and memsets on every stream inside it (overlap counted once)
+  GPU idle   wall - busy
+  launches   kernel launches from the host
+  host syncs calls that block the host until the GPU catches up (stream/device/event synchronize,
+             blocking cudaMemcpy), their count and the host time spent in them
+
+then the kernels with the most GPU time per step, each with its class (GEMM, NCCL, Triton ours,
+Triton compiled, elementwise/copy, other), and the GPU time per class. A step's GPU work is taken to
+lie inside its host range, which holds when the step ends in a host sync (torchtitan's does when it
+logs the loss every step, as bench_train asks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
+SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+         "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel")
+STEP = re.compile(r"ProfilerStep#(\d+)")
+
+
+@dataclass
+class Event:
+    name: str
+    cat: str
+    start: float  # µs
+    end: float
+
+
+def load(path: str | Path) -> list[Event]:
+    """The complete ('X') events of a chrome trace."""
+    try:
+        trace = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"step_profile: cannot read {path} as a chrome trace: {e}") from e
+    raw = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    return [Event(e["name"], e.get("cat", ""), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+            for e in raw if e.get("ph") == "X" and "ts" in e and "name" in e]
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    if "nccl" in low:
+        return "NCCL"
+    if any(k in low for k in ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "wgmma")):
+        return "GEMM"
+    if low.startswith("triton_"):
+        return "Triton compiled"
+    if name.startswith("_") and name.endswith("_kernel"):
+        return "Triton ours"
+    if any(k in low for k in ("elementwise", "copy", "memcpy", "memset", "fill", "reduce")):
+        return "elementwise/copy"
+    return "other"
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def breakdown(events: list[Event]) -> dict:
+    """Per-step figures and the kernel totals over the profiled steps (times in ms)."""
+    steps = sorted((e for e in events if STEP.fullmatch(e.name)), key=lambda e: e.start)
+    if not steps:
+        raise SystemExit("step_profile: no ProfilerStep#N ranges in the trace: was it written by torch.profiler "
+                         "with a schedule (torchtitan's [profiling])?")
+    gpu = [e for e in events if e.cat in GPU_CATEGORIES]
+    host = [e for e in events if e.cat in HOST_CATEGORIES]
+    rows, kernels = [], defaultdict(lambda: [0.0, 0])
+    for step in steps:
+        inside = [(max(e.start, step.start), min(e.end, step.end)) for e in gpu if e.end > step.start and e.start < step.end]
+        syncs = [e for e in host if e.name in SYNCS and step.start <= e.start < step.end]
+        busy = union_length(inside) / 1e3
+        wall = (step.end - step.start) / 1e3
+        rows.append({
+            "step": int(STEP.fullmatch(step.name).group(1)), "wall_ms": wall, "gpu_busy_ms": busy,
+            "gpu_idle_ms": wall - busy, "launches": sum(e.name in LAUNCHES and step.start <= e.start < step.end for e in host),
+            "host_syncs": len(syncs), "host_sync_ms": sum(e.end - e.start for e in syncs) / 1e3,
+        })
+        for e in gpu:
+            if step.start <= e.start < step.end:
+                kernels[e.name][0] += (e.end - e.start) / 1e3
+                kernels[e.name][1] += 1
+    n = len(rows)
+    per_step = {name: {"ms": ms / n, "calls": calls / n, "class": kernel_class(name)} for name, (ms, calls) in kernels.items()}
+    classes = defaultdict(float)
+    for k in per_step.values():
+        classes[k["class"]] += k["ms"]
+    mean = {key: statistics.mean(r[key] for r in rows) for key in rows[0] if key != "step"}
+    return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes)}
+
+
+def render(result: dict, top: int = 15) -> str:
+    if not result["kernels"]:
+        note = "no GPU activity in this trace (a CPU run?): wall is host time, busy and idle say nothing\n\n"
+    else:
+        note = ""
+    lines = [note + "| profiler step | wall ms | GPU busy ms | GPU idle ms | idle share | launches | host syncs | host sync ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in [*result["steps"], {"step": "mean", **result["mean"]}]:
+        idle = r["gpu_idle_ms"] / r["wall_ms"] if r["wall_ms"] else 0.0
+        lines.append(f"| {r['step']} | {r['wall_ms']:.2f} | {r['gpu_busy_ms']:.2f} | {r['gpu_idle_ms']:.2f} | {100 * idle:.1f}% "
+                     f"| {r['launches']:.0f} | {r['host_syncs']:.0f} | {r['host_sync_ms']:.2f} |")
+    kernel_ms = sum(k["ms"] for k in result["kernels"].values()) or 1.0
+    lines += ["", "GPU time per step by class (kernel time summed over streams):", "",
+              "| class | ms per step | share |", "|---|---|---|"]
+    for name, ms in sorted(result["classes"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {name} | {ms:.2f} | {100 * ms / kernel_ms:.1f}% |")
+    lines += ["", f"top {top} kernels:", "", "| kernel | class | ms per step | calls per step | share |", "|---|---|---|---|---|"]
+    for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["ms"])[:top]:
+        lines.append(f"| {name[:80]} | {k['class']} | {k['ms']:.3f} | {k['calls']:.1f} | {100 * k['ms'] / kernel_ms:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.step_profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--json", default=None, help="also write the figures here")
+    args = parser.parse_args(argv)
+    result = breakdown(load(args.trace))
+    print(render(result, args.top))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,11 +4,11 @@
 
 Each mutation is a one-line source patch (zero the experts' output, drop the router
 probabilities, swap two experts, halve a gradient, skip the bias update, ...). For each one
-the script applies the patch to the working tree, runs the tests named for it (pytest -x),
-restores the file, and records whether they failed ("caught") and the first failing test.
-It prints a table and exits 1 when a mutation survived. The file is restored in a `finally`
-(Ctrl-C and SIGTERM included; `git diff` shows a leftover after a SIGKILL). Each mutation
-runs only its tests: ~10 minutes on 2 CPU cores. The table, with what caught each
+the script applies the patch to a private copy of the repository (never the working tree,
+which stays yours to edit and commit meanwhile), runs the tests named for it there (pytest -x,
+the copy first on PYTHONPATH), restores the file, and records whether they failed ("caught")
+and the first failing test. It prints a table and exits 1 when a mutation survived. Each
+mutation runs only its tests: ~10 minutes on 2 CPU cores. The table, with what caught each
 mutation, is in tests/README.md.
 """
 
@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,13 +141,21 @@ MUTATIONS = [
 ]
 
 
-def run_tests(tests: tuple[str, ...], timeout: int) -> tuple[bool, str, float]:
-    """(caught, first failing test or why, seconds)."""
+def copy_of_repository(into: Path) -> Path:
+    """The sources, tests, configs and scripts, without environments, outputs or git."""
+    skip = shutil.ignore_patterns(".git", ".venv", ".whl", ".diag", "outputs", "third_party", "__pycache__", "*.egg-info")
+    return Path(shutil.copytree(ROOT, into / ROOT.name, ignore=skip))
+
+
+def run_tests(tests: tuple[str, ...], timeout: int, root: Path) -> tuple[bool, str, float]:
+    """(caught, first failing test or why, seconds), for the tests of the copy at `root`."""
     cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    # The copy's package first: an editable install would otherwise import the working tree's.
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     start = time.time()
     try:
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                                env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"))
+        result = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout,
+                                env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=path))
     except subprocess.TimeoutExpired:
         return True, f"timed out after {timeout} s", time.time() - start
     seconds = time.time() - start
@@ -160,9 +169,9 @@ def run_tests(tests: tuple[str, ...], timeout: int) -> tuple[bool, str, float]:
     return True, f"pytest exit {result.returncode}: " + (result.stdout.strip().splitlines() or ["?"])[-1], seconds
 
 
-def apply(mutation: Mutation) -> str:
-    """Patch the file; returns its original text."""
-    path = ROOT / mutation.path
+def apply(mutation: Mutation, root: Path) -> str:
+    """Patch the file in the copy at `root`; returns its original text."""
+    path = root / mutation.path
     text = path.read_text()
     if text.count(mutation.old) != 1:
         raise SystemExit(f"mutation {mutation.name!r}: {mutation.path} has {text.count(mutation.old)} "
@@ -186,16 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         if (ROOT / m.path).read_text().count(m.old) != 1:
             raise SystemExit(f"mutation {m.name!r}: the text to replace is not (once) in {m.path}")
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # runs the finally that restores the file
     rows = []
-    for m in chosen:
-        original = apply(m)
-        try:
-            caught, by, seconds = run_tests(m.tests, args.timeout)
-        finally:
-            (ROOT / m.path).write_text(original)
-        rows.append((m, caught, by, seconds))
-        print(f"{'caught  ' if caught else 'SURVIVED'} {m.name} ({seconds:.0f} s): {by}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="mutation_check_") as tmp:
+        root = copy_of_repository(Path(tmp))
+        for m in chosen:
+            original = apply(m, root)
+            try:
+                caught, by, seconds = run_tests(m.tests, args.timeout, root)
+            finally:
+                (root / m.path).write_text(original)
+            rows.append((m, caught, by, seconds))
+            print(f"{'caught  ' if caught else 'SURVIVED'} {m.name} ({seconds:.0f} s): {by}", flush=True)
 
     print("\n| mutation | file | caught by (first failing test) | verdict |\n|---|---|---|---|")
     for m, caught, by, _ in rows:

@@ -106,8 +106,9 @@ def merged_config_class() -> type:
 # torchtitan 0.2.2 picks "cuda" when no accelerator is found, then calls a CUDA-shaped
 # device module (set_device, memory_stats, get_device_properties, ...). On a CPU machine we
 # point it at `_CpuDeviceModule`, which answers those calls for the host: memory is the
-# process's peak resident set size; its profiler traces the host alone. FSDP2's gradient reduce-scatter uses averaging ops that
-# gloo lacks, so FSDP modules are told to reduce with plain sums (`use_sum_reductions`).
+# process's peak resident set size; its profiler traces the host alone. FSDP2's gradient
+# reduce-scatter uses averaging ops that gloo lacks, so FSDP modules are told to reduce with
+# plain sums (`use_sum_reductions`).
 # ---------------------------------------------------------------------------------------
 
 _PATCHED_MODULES = (

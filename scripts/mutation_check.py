@@ -38,6 +38,11 @@ class Mutation:
 
 
 M = Mutation
+# One patch, two ways to run the layer (eager, compiled by inductor): the exchange's backward halved.
+HALVED_EXCHANGE_GRADIENT = (
+    "return _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name), None, None, None",
+    "return [g * 0.5 for g in _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name)], None, None, None",
+)
 MUTATIONS = [
     # -- the MoE layer: experts, router, balancing ------------------------------------------------
     M("experts: zero the output", "torchtitan_moe/moe/experts.py",
@@ -100,12 +105,10 @@ MUTATIONS = [
       "if w.stride(-2) == 1 and w.stride(-1) != 1:", "if False:",
       ("tests/ops/test_custom_ops.py",)),
     M("all-to-all: halve the gradient on the way back", "torchtitan_moe/dispatch/exchange.py",
-      "return _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name), None, None, None",
-      "return [g * 0.5 for g in _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name)], None, None, None",
+      *HALVED_EXCHANGE_GRADIENT,
       ("tests/test_all_to_all.py", "-k", "2-none-False-False-None")),
     M("all-to-all, layer compiled by inductor: halve the gradient on the way back", "torchtitan_moe/dispatch/exchange.py",
-      "return _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name), None, None, None",
-      "return [g * 0.5 for g in _exchange(grads, ctx.recv_splits, ctx.send_splits, ctx.group_name)], None, None, None",
+      *HALVED_EXCHANGE_GRADIENT,
       ("tests/test_all_to_all.py", "-k", "inductor")),
     M("all-to-all: rows to the wrong local expert", "torchtitan_moe/dispatch/all_to_all.py",
       "experts[token] % self.local_experts", "(experts[token] + 1) % self.local_experts",

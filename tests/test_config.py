@@ -90,6 +90,12 @@ def test_bad_config_is_one_clear_line(tmp_path, changes, expected):
     assert expected in message and "\n" not in message
 
 
+def test_dispatch_section_does_not_bind_torchtitans_model(tmp_path):
+    # bench_train trains torchtitan's Qwen3-MoE from our configs, whose [dispatch] may name all_to_all.
+    path = debug_with(tmp_path, dispatch__backend="all_to_all", model__name="torchtitan_qwen3_moe")
+    assert load_job_config(["--job.config_file", path]).dispatch.backend == "all_to_all"
+
+
 def test_unknown_cli_key_is_rejected():
     with pytest.raises(ConfigError, match=r"--moe.experts: unknown key 'experts' in \[moe\]"):
         load_job_config(["--job.config_file", str(DEBUG), "--moe.experts", "4"])

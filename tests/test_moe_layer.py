@@ -115,6 +115,27 @@ def test_bf16_layer_is_close_to_reference():
     check_against_reference(layer, torch.randn(2, 16, 24, dtype=torch.bfloat16), rel=2e-2)
 
 
+def test_experts_run_in_the_autocast_dtype(monkeypatch):
+    """torchtitan trains one device without FSDP under autocast, with fp32 weights: the expert GEMMs
+    (custom ops, which autocast does not reach) must still run in bf16, and the fp32 weights get fp32 grads."""
+    from torchtitan_moe import ops
+
+    layer = make_layer()
+    seen = []
+    grouped_mm = ops.grouped_mm
+    monkeypatch.setattr(ops, "grouped_mm", lambda x, w, offsets: seen.append((x.dtype, w.dtype)) or grouped_mm(x, w, offsets))
+    x, grad = torch.randn(2, 13, 24), torch.randn(2, 13, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, grads = run(layer, x, grad)
+    assert seen == [(torch.bfloat16, torch.bfloat16)] * 2
+    assert all(g.dtype == torch.float32 for g in grads[1:])
+    layer.zero_grad()
+    ref, ref_grads = run(layer, x, grad)  # fp32, no autocast
+    assert_close_to_max(out, ref, 2e-2, "out")
+    for name, g, r in zip(("x", "gate", "w13", "w2"), grads, ref_grads):
+        assert_close_to_max(g, r, 3e-2, f"grad {name}")
+
+
 def test_triton_kernels_match_torch_reference():
     # On a GPU the kernels run compiled; elsewhere under the interpreter (tests/conftest.py).
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -342,26 +342,8 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
             f"of {world_size} processes)",
         )
 
-    backend = cfg.dispatch.backend
-    _need(
-        not (backend == "local" and ep > 1),
-        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all'",
-    )
-    _need(
-        not (backend == "all_to_all" and ep == 1),
-        f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
-    )
-    if backend == "deepep":
-        _need(ep in (2, 4, 8), f"[dispatch] backend = 'deepep' needs [parallelism] expert_parallel_degree 2, 4 or 8 "
-                               f"(DeepEP's intranode kernels), got {ep}")
-        precision = cfg.training.mixed_precision_param
-        _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
-                                       f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
-    num_sms = cfg.dispatch.num_sms
-    _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
-          f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")
-    _need(num_sms == 0 or backend in ("deepep", "auto"),
-          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
+    if cfg.model.name == "qwen3_moe":  # [dispatch] configures our MoE layers; torchtitan's has its own EP
+        check_dispatch(cfg, ep)
 
     train = cfg.training
     _need(train.dataset in ("synthetic", "text"), f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text'")
@@ -399,6 +381,30 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
             "[checkpoint] last_save_in_hf = true: Hugging Face Qwen3-MoE routes with score_func = 'softmax' and "
             "route_scale = 1.0 only",
         )
+
+def check_dispatch(cfg: Any, ep: int) -> None:
+    """[dispatch] against the EP degree and the precision."""
+    backend = cfg.dispatch.backend
+    _need(
+        not (backend == "local" and ep > 1),
+        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all'",
+    )
+    _need(
+        not (backend == "all_to_all" and ep == 1),
+        f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
+    )
+    if backend == "deepep":
+        _need(ep in (2, 4, 8), f"[dispatch] backend = 'deepep' needs [parallelism] expert_parallel_degree 2, 4 or 8 "
+                               f"(DeepEP's intranode kernels), got {ep}")
+        precision = cfg.training.mixed_precision_param
+        _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
+                                       f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
+    num_sms = cfg.dispatch.num_sms
+    _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
+          f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")
+    _need(num_sms == 0 or backend in ("deepep", "auto"),
+          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
+
 
 def check_router_losses(router: Any) -> None:
     loss, coeff = router.balance_loss, router.balance_loss_coeff

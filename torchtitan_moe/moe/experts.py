@@ -37,10 +37,23 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w13, std=0.02, a=-0.06, b=0.06)
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
 
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The dtype of the experts' GEMMs: autocast's where autocast is on, else the weights'.
+
+        torchtitan trains one device without FSDP under autocast, with fp32 weights; autocast
+        does not reach into our custom ops, which would then run fp32 GEMMs (one cuBLAS call
+        per expert, as torch._grouped_mm has no fp32 kernel: 13k tokens/s on an H200 where bf16
+        runs ... ). Under FSDP2 the weights arrive in the mixed-precision dtype already.
+        """
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return self.w13.dtype
+
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""
-        w13, w2 = _local(self.w13), _local(self.w2)
-        x = batch.x.to(w13.dtype)
+        dtype = self.compute_dtype(batch.x.device)
+        w13, w2 = _local(self.w13).to(dtype), _local(self.w2).to(dtype)
+        x = batch.x.to(dtype)
         ab = ops.grouped_mm(x, w13.transpose(-2, -1), batch.offsets)
         h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)
         return ops.grouped_mm(h, w2.transpose(-2, -1), batch.offsets)

@@ -145,7 +145,8 @@ class MoE(nn.Module):
                     if loss is not None:
                         self.router_loss_sums[i] += loss.detach()
 
-        batch = self.dispatcher.dispatch(tokens, routing)
+        # Rows travel in the experts' dtype: under autocast that halves what dispatch moves.
+        batch = self.dispatcher.dispatch(tokens.to(self.experts.compute_dtype(tokens.device)), routing)
         y = self.experts(batch)
         out = self.dispatcher.combine(y, batch)
         if routing.aux_loss is not None:

@@ -2,6 +2,7 @@
 pre-hook that applies it once per step from the step's token counts."""
 
 import torch
+from host_reads import HostReads
 
 from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.balance import register_balancing_hook, update_expert_bias
@@ -24,6 +25,15 @@ def test_rate_zero_and_no_tokens_leave_the_bias_alone():
     idle = MoE(MoEArgs(num_experts=4, bias_update_rate=0.01), dim=8)
     update_expert_bias([idle], torch.zeros(1, 4, dtype=torch.float64))
     assert off.router.expert_bias.abs().sum() == 0 and idle.router.expert_bias.abs().sum() == 0
+
+
+def test_update_reads_nothing_back_to_the_host():
+    # It runs before every optimizer step: a read per layer was a host sync per layer on a GPU.
+    layers = [MoE(MoEArgs(num_experts=4, bias_update_rate=0.01), dim=8) for _ in range(3)]
+    with HostReads() as reads:
+        update_expert_bias(layers, torch.tensor([[10.0, 0.0, 5.0, 5.0], [0.0] * 4, [1.0, 2.0, 3.0, 4.0]], dtype=torch.float64))
+    assert reads.count == 0
+    assert layers[0].router.expert_bias.abs().sum() > 0 and layers[1].router.expert_bias.abs().sum() == 0
 
 
 def test_optimizer_step_updates_the_bias_from_the_steps_counts_and_clears_them():

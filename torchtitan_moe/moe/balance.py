@@ -49,12 +49,12 @@ def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> tor
 
 @torch.no_grad()
 def update_expert_bias(layers: list[MoE], loads: torch.Tensor) -> None:
-    for layer, load in zip(layers, loads):
-        rate = layer.bias_update_rate
-        if rate == 0 or load.sum() == 0:
-            continue
-        delta = rate * torch.sign(load.mean() - load).float()
-        layer.router.expert_bias.add_(delta - delta.mean())
+    """loads [L, E]. No host sync: a layer that saw no tokens gets sign(0 - 0) = 0, no change."""
+    signs = torch.sign(loads.mean(dim=1, keepdim=True) - loads).float()
+    for layer, sign in zip(layers, signs):
+        if layer.bias_update_rate:
+            delta = layer.bias_update_rate * sign
+            layer.router.expert_bias.add_(delta - delta.mean())
 
 
 def register_balancing_hook(optimizers, model_parts: list[nn.Module], group: dist.ProcessGroup | None) -> None:

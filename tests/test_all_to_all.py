@@ -15,9 +15,9 @@ from torchtitan_moe.moe import MoE, MoEArgs
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
 
 
-def make_layer(padding: str, zero_gate: bool) -> MoE:
+def make_layer(padding: str, zero_gate: bool, kernels: str = "torch") -> MoE:
     torch.manual_seed(0)  # the same weights on every rank
-    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels="torch",
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels=kernels,
                         router_init_std=0.0 if zero_gate else 0.5), DIM)
     layer.init_weights(out_std=0.1)
     return layer
@@ -97,6 +97,36 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
 )
 def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint, compiler):
     run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler)
+
+
+def one_gpu_worker(rank: int, world: int, port: int, failures):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(7)
+        x, grad = torch.randn(4, 33, DIM, device="cuda"), torch.randn(4, 33, DIM, device="cuda")
+        local = make_layer("always", False, kernels="triton").cuda()
+        ref = forward_backward(local, x, grad)
+        ep = make_layer("always", False, kernels="triton").cuda()
+        ep.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels="triton"))
+        for _ in range(2):  # the second pass reuses the pinned host buffer
+            ep.zero_grad()
+            got = forward_backward(ep, x, grad)
+        for name, a, b in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), got, ref):
+            assert_close_to_max(a, b, 1e-5, name)
+    except BaseException as e:
+        failures.put(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_all_to_all_on_one_gpu_matches_local_dispatcher():
+    # The CUDA path (NCCL exchange, Triton kernels, split sizes read through pinned memory) on a
+    # one-rank group: it runs where a 2-GPU machine is not to be had.
+    run_ranks(one_gpu_worker, 1)
 
 
 def test_first_per_rank_marks_one_slot_per_token_and_rank():

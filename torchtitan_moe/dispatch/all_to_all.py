@@ -5,9 +5,10 @@ those experts on arrival; on the way back that rank first sums its experts' outp
 the token (the probabilities were already applied in the experts) and returns one row.
 torchtitan sends one row per (token, expert) instead: up to top_k copies of a token.
 
-    dispatch  x [T, D] ─gather_rows─► send [S, D] rows grouped by destination rank
-              counts (rows, slots) per rank ─all_to_all─► the one host sync: split sizes
-              send + meta [S, 2K] (local expert ids | probs) ─all_to_all─► recv [R, D]
+    dispatch  experts [T, K] ─routing_index by rank─► counts (rows, slots) per rank ─all_to_all─►
+              on their way to the host, while x [T, D] ─gather_rows─► send [T min(K, P), D] rows
+              grouped by destination rank, meta [., 2K] (local expert ids | probs) are queued;
+              the one host sync: split sizes; send[:S] + meta[:S] ─all_to_all─► recv [R, D]
               recv ─gather_rows (by local expert)─► ExpertBatch [N, D]
     combine   y [N, D] ─combine─► per (token, source rank) [R, D] ─all_to_all─► [S, D]
               ─combine─► out [T, D]
@@ -42,6 +43,29 @@ class _Rows(NamedTuple):
     row_slot: torch.Tensor
     top_k: int
     num_rows: torch.Tensor
+
+
+class _Counts:
+    """Split sizes on their way to the host: a copy started on the stream, waited for later, so
+    the CPU queues independent work before it blocks (the GPU then has work while the CPU waits
+    and catches up). Built from kept sizes under an activation-checkpointing replay."""
+
+    def __init__(self, sizes, ep_size: int = 0):
+        self.ep_size = ep_size
+        self.sizes, self.done = sizes, None
+        if isinstance(sizes, torch.Tensor) and sizes.is_cuda:
+            self.sizes = torch.empty(sizes.shape, dtype=sizes.dtype, pin_memory=True).copy_(sizes, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+
+    def wait(self) -> tuple[list[int], list[int], int]:
+        """-> rows to each rank, rows from each rank, slots received."""
+        if not isinstance(self.sizes, torch.Tensor):
+            return self.sizes
+        if self.done is not None:
+            self.done.synchronize()
+        flat, p = self.sizes.tolist(), self.ep_size
+        return flat[:p], flat[p : 2 * p], flat[2 * p]
 
 
 @dataclass
@@ -83,46 +107,48 @@ class AllToAllDispatcher(ReplaysExchanges):
         self._keep([y.detach() for y in outs])
         return outs
 
-    def _plan_exchange(self, counts: torch.Tensor) -> tuple[list[int], list[int], int]:
-        """counts [P, 2] (rows, slots) to each rank -> rows to/from each rank, slots received."""
+    def _plan_exchange(self, counts: torch.Tensor) -> _Counts:
+        """counts [P, 2] (rows, slots) to each rank -> rows to/from each rank, slots received,
+        on their way to the host (read them with `.wait()`)."""
         if self._replaying():
-            return self._replayed()
+            return _Counts(self._replayed())
         self._first_exchange()
         one_row = [1] * self.ep_size
         (recv,) = exchange([counts], one_row, one_row, self.group)
-        flat = torch.cat([counts[:, 0], recv[:, 0], recv[:, 1].sum().view(1)]).tolist()  # the host sync
-        p = self.ep_size
-        plan = flat[:p], flat[p : 2 * p], flat[2 * p]
-        self._keep(plan)
-        return plan
+        return _Counts(torch.cat([counts[:, 0], recv[:, 0], recv[:, 1].sum().view(1)]), self.ep_size)
 
     # -- the dispatcher seam ------------------------------------------------------------------
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
         experts, probs = routing.experts, routing.probs
-        top_k = experts.shape[1]
+        num_tokens, top_k = experts.shape
         dest = experts // self.local_experts  # [T, K] EP rank of each slot
         rank_slots = torch.where(first_per_rank(dest), dest, torch.full_like(dest, -1))
-        send_index = ops.routing_index(rank_slots, self.ep_size, backend=self.kernels)
+        # A token makes at most min(K, P) (token, rank) rows: allocate for that, not for T*K.
+        send_index = ops.routing_index(rank_slots, self.ep_size, num_slots=num_tokens * min(top_k, self.ep_size),
+                                       backend=self.kernels)
         counts = torch.stack([send_index.tokens_per_expert, count_tokens(dest, self.ep_size)], dim=1)
-        send_rows, recv_rows, recv_slots = self._plan_exchange(counts)
+        pending = self._plan_exchange(counts)
 
-        num_send = sum(send_rows)
-        send_index = _Rows(send_index.inv, send_index.row_slot[:num_send], top_k, send_index.num_rows)
-        rows = ops.gather_rows(x, send_index, backend=self.kernels)  # [S, D]
-
-        # Each sent row carries its token's slots on that rank: local expert ids and probs.
-        slot = send_index.row_slot  # [S] first slot t*K + k of the (token, rank)
-        token = slot // top_k
-        here = dest[token] == dest.reshape(-1)[slot].unsqueeze(1)  # [S, K]
+        # Queued while the counts travel to the host: the rows and their metadata, for every row
+        # that may be sent (rows past the sent ones are never read). Each row carries its
+        # token's slots on that rank: local expert ids and probs.
+        rows = ops.gather_rows(x, send_index, backend=self.kernels)  # [T min(K, P), D]
+        token = send_index.row_slot.clamp_min(0) // top_k
+        here = dest[token] == dest.reshape(-1)[send_index.row_slot.clamp_min(0)].unsqueeze(1)  # [., K]
         ids = torch.where(here, experts[token] % self.local_experts, -1)
-        meta = torch.cat([ids.to(probs.dtype), torch.where(here, probs[token], 0.0)], dim=1)  # [S, 2K] fp32
+        meta = torch.cat([ids.to(probs.dtype), torch.where(here, probs[token], 0.0)], dim=1)  # [., 2K] fp32
 
-        recv, recv_meta = self._exchange([rows, meta], send_rows, recv_rows)  # [R, D], [R, 2K]
+        send_rows, recv_rows, recv_slots = sizes = pending.wait()  # the host sync
+        if not self._replaying():
+            self._keep(sizes)
+        num_send = sum(send_rows)
+        recv, recv_meta = self._exchange([rows[:num_send], meta[:num_send]], send_rows, recv_rows)  # [R, D], [R, 2K]
         local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
         batch, local_index = expert_major(recv, local_ids, local_probs, self.local_experts, self.align, self.kernels,
                                           num_slots=recv_slots)
-        batch.ctx = _Plan(send_index, local_index, send_rows, recv_rows)
+        sent = _Rows(send_index.inv, send_index.row_slot[:num_send], top_k, send_index.num_rows)
+        batch.ctx = _Plan(sent, local_index, send_rows, recv_rows)
         return batch
 
     def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:

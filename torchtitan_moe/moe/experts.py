@@ -41,9 +41,9 @@ class GroupedExperts(nn.Module):
         """The dtype of the experts' GEMMs: autocast's where autocast is on, else the weights'.
 
         torchtitan trains one device without FSDP under autocast, with fp32 weights; autocast
-        does not reach into our custom ops, which would then run fp32 GEMMs (one cuBLAS call
-        per expert, as torch._grouped_mm has no fp32 kernel: 13k tokens/s on an H200 where bf16
-        runs ... ). Under FSDP2 the weights arrive in the mixed-precision dtype already.
+        does not reach into our custom ops, which then ran fp32 GEMMs (one cuBLAS call per expert:
+        torch._grouped_mm has no fp32 kernel on CUDA), 13.4k tokens/s against 36.1k in bf16 on an
+        H200. Under FSDP2 the weights arrive in the mixed-precision dtype already.
         """
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)

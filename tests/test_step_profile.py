@@ -22,6 +22,9 @@ def crafted_trace(path: Path) -> Path:
     events = [
         event("ProfilerStep#4", "user_annotation", 0, 1000),
         event("ProfilerStep#5", "user_annotation", 1000, 1000),
+        # torch.profiler repeats each step on the GPU timeline: not a step of its own.
+        event("ProfilerStep#4", "gpu_user_annotation", 100, 720),
+        event("ProfilerStep#5", "gpu_user_annotation", 1100, 1000),
         event("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 100, 300, tid=7),
         event("ncclDevKernel_AllToAll", "kernel", 300, 300, tid=20),
         event("_swiglu_prob_fwd_kernel", "kernel", 700, 50, tid=7),

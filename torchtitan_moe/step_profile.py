@@ -84,7 +84,10 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 def breakdown(events: list[Event]) -> dict:
     """Per-step figures and the kernel totals over the profiled steps (times in ms)."""
-    steps = sorted((e for e in events if STEP.fullmatch(e.name)), key=lambda e: e.start)
+    # The host's ranges: the trace repeats each one on the GPU timeline (gpu_user_annotation,
+    # first kernel to last), which would count every step twice.
+    steps = sorted((e for e in events if STEP.fullmatch(e.name) and e.cat != "gpu_user_annotation"),
+                   key=lambda e: e.start)
     if not steps:
         raise SystemExit("step_profile: no ProfilerStep#N ranges in the trace: was it written by torch.profiler "
                          "with a schedule (torchtitan's [profiling])?")

@@ -1,6 +1,6 @@
 """Dispatch + combine, forward and backward: NCCL all-to-all (per-rank, per-expert rows) and DeepEP.
 
-    torchrun --nproc_per_node 8 kernels/bench_dispatch.py [--tokens 8192] [--ep 2,4,8]
+    torchrun --nproc_per_node 8 kernels/bench_dispatch.py [--tokens 8192] [--ep 2,4,8] [--layer]
         [--tuned-file configs/tuned/dispatch.json] [--json out.json]
 
 For each EP degree (the first EP ranks of the launch form the group):
@@ -13,6 +13,11 @@ For each EP degree (the first EP ranks of the launch form the group):
   layer path dispatch + combine forward + backward through each dispatcher (no expert GEMMs;
              y = rows): AllToAllDispatcher, a per-expert-rows dispatcher built from the same ops,
              DeepEPDispatcher.
+  --layer    also the whole MoE layer forward + backward (router, dispatch, the experts' GEMMs at
+             --inter, combine; bf16, this rank's expert shard) through AllToAllDispatcher, and at
+             EP = 1 through LocalDispatcher too: on one GPU (a one-rank group, the exchange a local
+             copy) what the all-to-all path costs over the local one inside a layer, where the
+             GEMMs give the host time to run ahead.
 Times are medians over --iters iterations after --warmup, the max over ranks (the slowest rank
 sets the step). Routing: each token picks top_k distinct random experts.
 """
@@ -33,6 +38,7 @@ from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.exchange import exchange
+from torchtitan_moe.dispatch.local import LocalDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
     EP_SIZES,
     DeepEPUnavailable,
@@ -41,6 +47,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
     import_deep_ep,
     release_buffers,
 )
+from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.router import Routing, count_tokens
 from torchtitan_moe.tune_dispatch import timed_ms
 
@@ -141,6 +148,12 @@ def bench_ep(ep: int, args, device) -> dict:
             "layer_path_ms": timed(layer_path(dispatcher)),
         }
 
+    if args.layer:
+        dispatchers = {"all_to_all": lambda: AllToAllDispatcher(args.experts, group, align=8, kernels=args.kernels)}
+        if ep == 1:
+            dispatchers["local"] = lambda: LocalDispatcher(args.experts, align=8, kernels=args.kernels)
+        result["layer_ms"] = {name: timed(moe_layer_step(make(), x, ep, me, args)) for name, make in dispatchers.items()}
+
     # DeepEP moves the same rows as ours (one per token and destination rank).
     remote, remote_back = result["per_rank"]["remote_bytes"]
 
@@ -162,6 +175,27 @@ def bench_ep(ep: int, args, device) -> dict:
         }
     release_buffers(group)
     return result
+
+
+def moe_layer_step(dispatcher, x: torch.Tensor, ep: int, me: int, args):
+    """One MoE layer's forward + backward on x [T, D] through `dispatcher`, with this rank's experts."""
+    torch.manual_seed(0)  # the same weights on every rank
+    layer = MoE(MoEArgs(num_experts=args.experts, top_k=args.top_k, inter_dim=args.inter, kernels=args.kernels),
+                args.dim).to(x.device)
+    layer.init_weights(out_std=0.02)
+    layer = layer.to(args.dtype)
+    layer.router.float()  # the gate stays fp32, as FSDP2's policy keeps it
+    mine = slice(me * args.experts // ep, (me + 1) * args.experts // ep)
+    for name in ("w13", "w2"):
+        setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).detach()[mine].clone()))
+    layer.set_dispatcher(dispatcher)
+    xs = x.detach().view(1, *x.shape).requires_grad_()
+    grad = torch.randn_like(xs)
+
+    def step():
+        layer(xs).backward(grad)
+
+    return step
 
 
 def deepep_settings(ep: int, args, routing: Routing) -> list[tuple]:
@@ -218,6 +252,14 @@ def print_tables(results: list[dict], args, name: str) -> None:
                   f"{pct(d['remote_GBps'])} | {d['dispatch_layout_ms'] * 1e3:.0f} | {d['combine_ms'] * 1e3:.0f} | "
                   f"{d['remote_back_GBps']:.0f} | {pct(d['remote_back_GBps'])} | {d['layer_path_ms'] * 1e3:.0f} | "
                   f"{ours['layer_path_ms'] / d['layer_path_ms']:.2f}x |")
+    if args.layer:
+        print(f"\nthe whole MoE layer, forward + backward (router, dispatch, experts at inter {args.inter}, combine)")
+        print("| EP | all_to_all (us) | local (us) | all_to_all / local |")
+        print("|---|---|---|---|")
+        for r in results:
+            t = r["layer_ms"]
+            local = f"{t['local'] * 1e3:.0f} | {t['all_to_all'] / t['local']:.2f}x" if "local" in t else "- | -"
+            print(f"| {r['ep']} | {t['all_to_all'] * 1e3:.0f} | {local} |")
 
 
 def main() -> None:
@@ -227,6 +269,8 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--ep", default="2,4,8")
+    parser.add_argument("--inter", type=int, default=768, help="expert (intermediate) dim, for --layer")
+    parser.add_argument("--layer", action="store_true", help="also time the whole MoE layer per dispatcher")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--link-gbs", type=float, default=18 * 26.6, help="NVLink GB/s per direction per GPU")

@@ -9,7 +9,7 @@ from numerics import assert_close_to_max
 from torch.utils.checkpoint import checkpoint
 
 from spawn_ranks import run_ranks
-from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher, first_per_rank
+from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs
 
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
@@ -40,26 +40,27 @@ def count_exchanges(monkeypatch_target: list) -> None:
     dist.all_to_all_single = counting
 
 
-def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, failures):
+def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, kernels,
+           failures):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(100 + rank)  # different tokens on every rank
         x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
 
-        local = make_layer(padding, zero_gate)
+        local = make_layer(padding, zero_gate)  # the reference: torch kernels
         ref = forward_backward(local, x, grad)
         # Expert gradients under EP gather every rank's tokens: sum the local references.
         ref_w13, ref_w2 = ref[3].clone(), ref[4].clone()
         dist.all_reduce(ref_w13)
         dist.all_reduce(ref_w2)
 
-        ep = make_layer(padding, zero_gate)
+        ep = make_layer(padding, zero_gate, kernels)
         per_rank = EXPERTS // world
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         ep.experts.w13 = torch.nn.Parameter(ep.experts.w13.detach()[mine].clone())
         ep.experts.w2 = torch.nn.Parameter(ep.experts.w2.detach()[mine].clone())
-        dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels="torch")
+        dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels=kernels)
         dispatcher.keep_exchanges = use_checkpoint
         ep.set_dispatcher(dispatcher)
         calls: list = []
@@ -96,7 +97,14 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
     ],
 )
 def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint, compiler):
-    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler)
+    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler, "torch")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_all_to_all_with_triton_kernels_matches_local_dispatcher(world):
+    # The Triton kernels (send_plan, send_meta, routing_index, gather, combine): compiled on a GPU,
+    # under the interpreter on CPU (tests/ops covers P and experts per rank that are no powers of 2).
+    run_ranks(worker, world, "always", False, False, None, "triton")
 
 
 def one_gpu_worker(rank: int, world: int, port: int, failures):
@@ -127,9 +135,3 @@ def test_all_to_all_on_one_gpu_matches_local_dispatcher():
     # The CUDA path (NCCL exchange, Triton kernels, split sizes read through pinned memory) on a
     # one-rank group: it runs where a 2-GPU machine is not to be had.
     run_ranks(one_gpu_worker, 1)
-
-
-def test_first_per_rank_marks_one_slot_per_token_and_rank():
-    dest = torch.tensor([[0, 1, 0, 2], [3, 3, 3, 3], [1, 0, 2, 0]])
-    expected = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
-    assert torch.equal(first_per_rank(dest), expected)

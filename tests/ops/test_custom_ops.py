@@ -42,6 +42,17 @@ def test_gather_rows_and_combine_opcheck():
     torch.library.opcheck(torch.ops.torchtitan_moe.combine_backward, (dout, index.inv, index.row_slot, probs.detach(), y.detach()))
 
 
+def test_send_plan_and_send_meta_opcheck():
+    experts = random_routing(24, 4, 12, 0).to(DEVICE)
+    torch.library.opcheck(torch.ops.torchtitan_moe.send_plan, (experts, 4, 3), test_utils=OPCHECK_TESTS)
+    rank_slots, _ = ops.send_plan(experts, 4, 3, backend="triton")
+    row_slot = ops.routing_index(rank_slots, 3, backend="triton").row_slot
+    probs = torch.rand(experts.shape, device=DEVICE, requires_grad=True)
+    torch.library.opcheck(torch.ops.torchtitan_moe.send_meta, (row_slot, experts, probs, 4), test_utils=OPCHECK_TESTS)
+    dmeta = torch.randn(row_slot.shape[0], 8, device=DEVICE)
+    torch.library.opcheck(torch.ops.torchtitan_moe.send_meta_backward, (dmeta, row_slot, experts, 4))
+
+
 def test_swiglu_prob_opcheck():
     N, I = 40, 16
     ab = torch.randn(N, 2 * I, device=DEVICE, requires_grad=True)

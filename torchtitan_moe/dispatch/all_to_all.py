@@ -5,9 +5,9 @@ those experts on arrival; on the way back that rank first sums its experts' outp
 the token (the probabilities were already applied in the experts) and returns one row.
 torchtitan sends one row per (token, expert) instead: up to top_k copies of a token.
 
-    dispatch  experts [T, K] ─routing_index by rank─► counts (rows, slots) per rank ─all_to_all─►
+    dispatch  experts [T, K] ─send_plan, routing_index by rank─► counts (rows, slots) per rank ─all_to_all─►
               on their way to the host, while x [T, D] ─gather_rows─► send [T min(K, P), D] rows
-              grouped by destination rank, meta [., 2K] (local expert ids | probs) are queued;
+              grouped by destination rank, send_meta [., 2K] (local expert ids | probs) are queued;
               the one host sync: split sizes; send[:S] + meta[:S] ─all_to_all─► recv [R, D]
               recv ─gather_rows (by local expert)─► ExpertBatch [N, D]
     combine   y [N, D] ─combine─► per (token, source rank) [R, D] ─all_to_all─► [S, D]
@@ -30,7 +30,6 @@ from torchtitan_moe import ops
 from torchtitan_moe.dispatch.base import ExpertBatch, expert_major
 from torchtitan_moe.dispatch.exchange import exchange, replay
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.moe.router import count_tokens
 
 if TYPE_CHECKING:
     from torchtitan_moe.moe.router import Routing
@@ -78,13 +77,6 @@ class _Plan:
     recv_rows: list[int]  # rows received from each rank
 
 
-def first_per_rank(dest: torch.Tensor) -> torch.Tensor:
-    """dest [T, K] ranks -> [T, K] bool: True at the first slot of each (token, rank)."""
-    same = dest.unsqueeze(2) == dest.unsqueeze(1)  # [T, K, K]: slot k and slot j go to one rank
-    earlier = torch.ones(dest.shape[1], dest.shape[1], dtype=torch.bool, device=dest.device).tril(-1)
-    return ~(same & earlier).any(dim=2)
-
-
 class AllToAllDispatcher(ReplaysExchanges):
     def __init__(self, num_experts: int, group: dist.ProcessGroup, align: int = 1, kernels: str = "torch"):
         super().__init__()
@@ -122,22 +114,19 @@ class AllToAllDispatcher(ReplaysExchanges):
     def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
         experts, probs = routing.experts, routing.probs
         num_tokens, top_k = experts.shape
-        dest = experts // self.local_experts  # [T, K] EP rank of each slot
-        rank_slots = torch.where(first_per_rank(dest), dest, torch.full_like(dest, -1))
-        # A token makes at most min(K, P) (token, rank) rows: allocate for that, not for T*K.
+        # One row per (token, rank): routing_index over each token's first slot on every rank.
+        rank_slots, slots_per_rank = ops.send_plan(experts, self.local_experts, self.ep_size, backend=self.kernels)
+        # A token makes at most min(K, P) rows: allocate for that, not for T*K.
         send_index = ops.routing_index(rank_slots, self.ep_size, num_slots=num_tokens * min(top_k, self.ep_size),
                                        backend=self.kernels)
-        counts = torch.stack([send_index.tokens_per_expert, count_tokens(dest, self.ep_size)], dim=1)
+        counts = torch.stack([send_index.tokens_per_expert, slots_per_rank], dim=1)
         pending = self._plan_exchange(counts)
 
         # Queued while the counts travel to the host: the rows and their metadata, for every row
         # that may be sent (rows past the sent ones are never read). Each row carries its
         # token's slots on that rank: local expert ids and probs.
         rows = ops.gather_rows(x, send_index, backend=self.kernels)  # [T min(K, P), D]
-        token = send_index.row_slot.clamp_min(0) // top_k
-        here = dest[token] == dest.reshape(-1)[send_index.row_slot.clamp_min(0)].unsqueeze(1)  # [., K]
-        ids = torch.where(here, experts[token] % self.local_experts, -1)
-        meta = torch.cat([ids.to(probs.dtype), torch.where(here, probs[token], 0.0)], dim=1)  # [., 2K] fp32
+        meta = ops.send_meta(send_index.row_slot, experts, probs, self.local_experts, backend=self.kernels)  # [., 2K]
 
         send_rows, recv_rows, recv_slots = sizes = pending.wait()  # the host sync
         if not self._replaying():

@@ -7,6 +7,9 @@
     y     = grouped_mm(h, w2, index.offsets)            [N, D]
     out   = combine(y, index)                           [T, D] sum over each token's K rows
 
+    rank_slots, slots_per_rank = send_plan(experts, L, P)        the all-to-all dispatcher's send side:
+    meta  = send_meta(row_slot, experts, probs, L)      [S, 2K]  one row per (token, rank), its slots
+
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
 torch ops). <op>.py holds the API, the argument checks, the reference and the
 `torch.library` custom op (fake implementation, registered autograd: one opaque node for
@@ -20,6 +23,7 @@ torch and triton, so the package can be lifted into any training stack.
 from .combine import combine, combine_reference, gather_rows, gather_rows_reference
 from .grouped_mm import grouped_mm
 from .permute import RoutingIndex, routing_index, routing_index_reference
+from .send_plan import send_meta, send_meta_reference, send_plan, send_plan_reference
 from .swiglu_prob import swiglu_prob, swiglu_prob_reference
 
 __all__ = [
@@ -33,4 +37,8 @@ __all__ = [
     "combine_reference",
     "swiglu_prob",
     "swiglu_prob_reference",
+    "send_plan",
+    "send_plan_reference",
+    "send_meta",
+    "send_meta_reference",
 ]

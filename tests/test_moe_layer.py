@@ -136,6 +136,21 @@ def test_experts_run_in_the_autocast_dtype(monkeypatch):
         assert_close_to_max(g, r, 3e-2, f"grad {name}")
 
 
+def test_dispatch_moves_the_tokens_dtype_outside_autocast(monkeypatch):
+    # Under FSDP2 the tokens are bf16 while the experts' weights are still sharded fp32 until the
+    # experts' own forward: casting to the weights' dtype there would send fp32 rows (twice the
+    # bytes; DeepEP refuses them). Modelled here by fp32 weights and bf16 tokens.
+    layer = make_layer()
+    seen = []
+    dispatch = layer.local_dispatcher(torch.device("cpu")).dispatch
+    layer.set_dispatcher(layer.local_dispatcher(torch.device("cpu")))
+    monkeypatch.setattr(layer.dispatcher, "dispatch", lambda x, routing: seen.append(x.dtype) or dispatch(x, routing))
+    layer(torch.randn(2, 5, 24, dtype=torch.bfloat16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(2, 5, 24))
+    assert seen == [torch.bfloat16, torch.bfloat16]
+
+
 def test_triton_kernels_match_torch_reference():
     # On a GPU the kernels run compiled; elsewhere under the interpreter (tests/conftest.py).
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -23,6 +23,17 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """Autocast's dtype where autocast is on for `device`, else None.
+
+    torchtitan trains one device without FSDP under autocast, with fp32 weights. Autocast does
+    not reach into our custom ops, which then ran fp32 GEMMs (one cuBLAS call per expert:
+    torch._grouped_mm has no fp32 kernel on CUDA), 13.4k tokens/s against 36.1k in bf16 on an
+    H200. Under FSDP2 the weights arrive in the mixed-precision dtype already.
+    """
+    return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
 class GroupedExperts(nn.Module):
     def __init__(self, dim: int, inter_dim: int, num_experts: int, kernels: str = "torch"):
         super().__init__()
@@ -38,16 +49,9 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype of the experts' GEMMs: autocast's where autocast is on, else the weights'.
-
-        torchtitan trains one device without FSDP under autocast, with fp32 weights; autocast
-        does not reach into our custom ops, which then ran fp32 GEMMs (one cuBLAS call per expert:
-        torch._grouped_mm has no fp32 kernel on CUDA), 13.4k tokens/s against 36.1k in bf16 on an
-        H200. Under FSDP2 the weights arrive in the mixed-precision dtype already.
-        """
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return self.w13.dtype
+        """The dtype of the experts' GEMMs: autocast's where autocast is on, else the weights'
+        (under FSDP2, the unsharded weights' mixed-precision dtype: read it inside forward)."""
+        return autocast_dtype(device) or self.w13.dtype
 
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""

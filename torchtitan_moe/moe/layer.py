@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from torchtitan_moe.moe.experts import GroupedExperts
+from torchtitan_moe.moe.experts import GroupedExperts, autocast_dtype
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
 from torchtitan_moe.moe.recompute import recomputing
@@ -145,8 +145,10 @@ class MoE(nn.Module):
                     if loss is not None:
                         self.router_loss_sums[i] += loss.detach()
 
-        # Rows travel in the experts' dtype: under autocast that halves what dispatch moves.
-        batch = self.dispatcher.dispatch(tokens.to(self.experts.compute_dtype(tokens.device)), routing)
+        # Under autocast the rows travel in its dtype, the experts' (half the bytes of fp32). Not
+        # the weights' dtype: under FSDP2 they are still sharded fp32 here, unsharded in experts().
+        dtype = autocast_dtype(tokens.device)
+        batch = self.dispatcher.dispatch(tokens if dtype is None else tokens.to(dtype), routing)
         y = self.experts(batch)
         out = self.dispatcher.combine(y, batch)
         if routing.aux_loss is not None:

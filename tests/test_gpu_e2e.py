@@ -5,7 +5,9 @@
 - a zero-initialized gate stops the run before step 1;
 - two runs of one setting are bitwise identical (deterministic algorithms);
 - EP = 2 (all-to-all dispatcher, Triton kernels) matches EP = 1 from the same seed checkpoint,
-  and activation checkpointing under EP = 2 changes nothing (2 GPUs; skipped on 1).
+  and activation checkpointing under EP = 2 changes nothing (2 GPUs; skipped on 1);
+- the all-to-all dispatcher's CUDA path (NCCL, Triton kernels, split sizes read through pinned
+  memory) matches the local dispatcher on a one-rank group: it runs where 2 GPUs are not to be had.
 
 The parity runs share one folder, so the seed checkpoint (keyed by the model args) is written once.
 
@@ -20,7 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from numerics import assert_close_to_max
+from spawn_ranks import run_ranks
+from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
 from test_train_cpu import train
+
+from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 
 from torchtitan_moe.data.synthetic import chain_entropy
 from torchtitan_moe.parity import main as parity
@@ -111,3 +119,30 @@ def test_activation_checkpointing_under_ep2_changes_nothing(parity_out):
     report = (out / "parity.md").read_text()
     print(report)
     assert code == 0, report
+
+
+def one_gpu_worker(rank: int, world: int, port: int, failures):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        torch.manual_seed(7)
+        x, grad = torch.randn(4, 33, DIM, device="cuda"), torch.randn(4, 33, DIM, device="cuda")
+        local = make_layer("always", False, kernels="triton").cuda()
+        ref = forward_backward(local, x, grad)
+        ep = make_layer("always", False, kernels="triton").cuda()
+        ep.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels="triton"))
+        for _ in range(2):  # the second pass reuses the pinned host buffer
+            ep.zero_grad()
+            got = forward_backward(ep, x, grad)
+        for name, a, b in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), got, ref):
+            assert_close_to_max(a, b, 1e-5, name)
+    except BaseException as e:
+        failures.put(f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def test_all_to_all_on_one_gpu_matches_local_dispatcher():
+    run_ranks(one_gpu_worker, 1)

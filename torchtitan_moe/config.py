@@ -382,6 +382,7 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
             "route_scale = 1.0 only",
         )
 
+
 def check_dispatch(cfg: Any, ep: int) -> None:
     """[dispatch] against the EP degree and the precision."""
     backend = cfg.dispatch.backend

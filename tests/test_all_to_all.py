@@ -1,7 +1,5 @@
 """The all-to-all dispatcher against the local one, forward and backward, on gloo ranks."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +7,7 @@ from numerics import assert_close_to_max
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from spawn_ranks import run_ranks
+from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs
 
@@ -43,9 +41,7 @@ def count_exchanges(monkeypatch_target: list) -> None:
 
 def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, kernels,
            failures):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with rank_group(rank, world, port, failures):
         torch.manual_seed(100 + rank)  # different tokens on every rank
         x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
 
@@ -79,11 +75,6 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
         # A checkpointed recompute replays its exchanges instead of repeating them.
         assert len(calls) == 7, f"{len(calls)} all-to-all calls"
         assert not dispatcher._kept
-    except BaseException as e:  # report to the parent: a spawned process's assertion is otherwise lost
-        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 
@@ -130,9 +121,7 @@ class HostOps(TorchDispatchMode):
 
 
 def host_ops_worker(rank: int, world: int, port: int, failures):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with rank_group(0, 1, port, failures):
         layer = make_layer("always", False, kernels="triton")
         x = torch.randn(64, DIM)
         routing = layer.router(x)
@@ -142,11 +131,6 @@ def host_ops_worker(rank: int, world: int, port: int, failures):
             dispatcher.combine(batch.x, batch)
         # 21 on torch 2.13 (send_plan and send_meta); the torch ops they replaced made it 46.
         assert ops.count <= 24, f"{ops.count} host ops in dispatch + combine"
-    except BaseException as e:
-        failures.put(f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 @interpreter_only

@@ -11,7 +11,6 @@ import os
 import socket
 import subprocess
 import sys
-import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from spawn_ranks import run_ranks
+from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
@@ -137,26 +136,19 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
 
 
 def worker(rank: int, world: int, port: int, mode: str, padding: str, case: str, failures) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if mode == "fake":
         sys.modules["deep_ep"] = load_fake_deep_ep()
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        device, kernels = torch.device("cpu"), "torch"
+        device, kernels, backend, init = torch.device("cpu"), "torch", "gloo", {}
     else:
         torch.cuda.set_device(rank)
         device, kernels = torch.device("cuda", rank), "triton"
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=device)
-    try:
+        backend, init = "nccl", {"device_id": device}
+    with rank_group(rank, world, port, failures, backend, **init):
         if case == "errors":
             run_error_checks(rank)
         else:
             run_case(rank, world, device, kernels, padding, case)
         release_buffers()
-    except BaseException as e:  # report to the parent: a spawned process's assertion is otherwise lost
-        failures.put(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def run_error_checks(rank: int) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from spawn_ranks import run_ranks
+from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.exchange import exchange, replay
 
 D = 8
@@ -59,12 +59,10 @@ def check(rank, world, device, group, fn):
 
 
 def worker(rank, world, port, backend, failures):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if backend == "nccl":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
+    with rank_group(rank, world, port, failures, backend):
         group = dist.group.WORLD
         check(rank, world, device, group, plain)
         for compiler in ("aot_eager", "inductor"):
@@ -83,11 +81,6 @@ def worker(rank, world, port, backend, failures):
         assert len(calls) == 2, f"replay made {len(calls)} all_to_all calls, expected 2 (the backward only)"
         for a, b in zip(first[:4], again[:4]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
-    except BaseException as e:
-        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown, where gloo can abort a finished process (train.exit_process)
 
 

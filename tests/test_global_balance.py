@@ -6,13 +6,11 @@ Four gloo processes run every layout in turn (ranks past a layout's data-paralle
 wait); rank 0 compares. The micro-batch loss, on the same layouts, does change with them.
 """
 
-import os
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from spawn_ranks import run_ranks
+from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.balance import reduce_step_stats
@@ -82,9 +80,7 @@ def reference() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def worker(rank: int, world: int, port: int, failures) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with rank_group(rank, world, port, failures):
         results = {}
         for recipe in ("global_batch", "micro_batch"):
             for dp, ep in LAYOUTS:
@@ -105,11 +101,6 @@ def worker(rank: int, world: int, port: int, failures) -> None:
         # The micro-batch loss counts f per rank: the same data on more ranks is another loss.
         single, split = results["micro_batch", 1, 1], results["micro_batch", 4, 1]
         assert abs(float(single[1][0]) - float(split[1][0])) > 1e-3, (single[1], split[1])
-    except BaseException as e:  # report to the parent: a spawned process's assertion is otherwise lost
-        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 

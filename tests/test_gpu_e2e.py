@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from numerics import assert_close_to_max
-from spawn_ranks import run_ranks
+from spawn_ranks import rank_group, run_ranks
 from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
 from test_train_cpu import train
 
@@ -122,10 +122,8 @@ def test_activation_checkpointing_under_ep2_changes_nothing(parity_out):
 
 
 def one_gpu_worker(rank: int, world: int, port: int, failures):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    try:
+    with rank_group(0, 1, port, failures, "nccl"):
         torch.manual_seed(7)
         x, grad = torch.randn(4, 33, DIM, device="cuda"), torch.randn(4, 33, DIM, device="cuda")
         local = make_layer("always", False, kernels="triton").cuda()
@@ -137,11 +135,6 @@ def one_gpu_worker(rank: int, world: int, port: int, failures):
             got = forward_backward(ep, x, grad)
         for name, a, b in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), got, ref):
             assert_close_to_max(a, b, 1e-5, name)
-    except BaseException as e:
-        failures.put(f"{type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_all_to_all_on_one_gpu_matches_local_dispatcher():

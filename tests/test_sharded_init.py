@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from numerics import assert_close_to_max
-from spawn_ranks import run_ranks
+from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.models.sharded_init import full_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,9 +109,7 @@ def check_first_step(tmp_path: Path, grad_rel: float) -> None:
 
 
 def full_tensors_worker(rank: int, world: int, port: int, failures) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with rank_group(rank, world, port, failures):
         mesh = init_device_mesh("cpu", (world,))
         # a = -std, b = std: trunc_normal_ redraws most values, in a loop that runs until the
         # whole tensor is in bounds (one rank's shard is sooner).
@@ -128,11 +126,6 @@ def full_tensors_worker(rank: int, world: int, port: int, failures) -> None:
             assert isinstance(module.weight, DTensor) and module.weight.placements == (placement,)
             assert torch.equal(module.weight.full_tensor(), expected), placement
             assert torch.equal(torch.rand(3), after), "the generator is not where one process leaves it"
-    except BaseException as e:
-        failures.put(f"rank {rank}: {type(e).__name__}: {e}")
-        raise
-    finally:
-        dist.destroy_process_group()
 
 
 def test_full_tensors_gives_each_rank_its_slice_of_one_process_init():

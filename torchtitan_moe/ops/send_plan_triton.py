@@ -96,7 +96,7 @@ def send_plan_triton(experts: torch.Tensor, num_local: int, ep_size: int) -> tup
 
 
 def send_meta_triton(row_slot: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_local: int) -> torch.Tensor:
-    (N,), (T, K) = row_slot.shape, experts.shape
+    N, K = row_slot.shape[0], experts.shape[1]
     meta = torch.empty(N, 2 * K, dtype=torch.float32, device=experts.device)
     _send_meta_kernel[(max(1, triton.cdiv(N, BLOCK_T)),)](
         experts.contiguous(), probs.contiguous(), row_slot.contiguous(), meta, N, num_local,
@@ -106,8 +106,8 @@ def send_meta_triton(row_slot: torch.Tensor, experts: torch.Tensor, probs: torch
 
 
 def send_meta_backward_triton(dmeta: torch.Tensor, row_slot: torch.Tensor, experts: torch.Tensor, num_local: int) -> torch.Tensor:
-    (N,), (T, K) = row_slot.shape, experts.shape
-    dprobs = torch.zeros(T, K, dtype=torch.float32, device=experts.device)  # a slot no row carries: 0
+    N, K = row_slot.shape[0], experts.shape[1]
+    dprobs = torch.zeros(experts.shape, dtype=torch.float32, device=experts.device)  # a slot no row carries: 0
     _send_meta_back_kernel[(max(1, triton.cdiv(N, BLOCK_T)),)](
         experts.contiguous(), dmeta.contiguous(), row_slot.contiguous(), dprobs, N, num_local,
         K=K, K_PAD=triton.next_power_of_2(K), BLOCK_T=BLOCK_T,

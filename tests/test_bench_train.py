@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_moe.bench_train import Variant, main, summarize, table
+from torchtitan_moe.bench_train import Variant, loss_agreement, main, summarize, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,6 +28,19 @@ def test_summary_takes_medians_after_warmup_and_ratios_to_torchtitan():
     ours = Variant("all_to_all", "learned", "eager")
     report = table([tt, ours], {tt.name: {**s, "tps": 1000.0}, ours.name: s})
     assert "| ours/all_to_all learned eager | 2,000 |" in report and "| 2.00x | - |" in report
+
+
+def test_loss_agreement_compares_compiled_with_eager_at_the_last_step_and_over_a_window():
+    eager, compiled = Variant("local", "learned", "eager"), Variant("local", "learned", "compiled")
+    lonely = Variant("torchtitan", "learned", "eager")  # no compiled run: no row
+    losses = [12.0] * 10 + [10.0]
+    results = {eager.name: {"losses": losses}, compiled.name: {"losses": [12.0] * 10 + [10.1]},
+               lonely.name: {"losses": losses}}
+    report = loss_agreement([lonely, eager, compiled], results)
+    rows = [line for line in report.splitlines() if line.startswith("| ours")]
+    # last step: 10.1 / 10 - 1 = +1%; last 10 steps: 0.1 / (9 x 12 + 10) = +0.08%
+    assert rows == ["| ours/local learned | 11 | 10.0000 | 10.1000 | +1.00% | +0.08% |"]
+    assert loss_agreement([lonely], results) == ""
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ dispatcher that runs here), router (learned, or forced balance) and mode (eager,
 one after the other on this node, from the same config and data, and prints one table:
 tokens/s/GPU (median of the steps after --warmup), TFLOP/s, MFU, peak memory and the final
 loss, with the ratios to torchtitan eager and compiled with the same router, measured in
-this run. Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
+this run; then, for each model and router run both ways, how far the compiled loss is from the
+eager one (at the last step, and over the last LOSS_WINDOW steps: compiling must not change training). Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
 the variants should train alike) to --out. A variant that fails is reported as failed, with
 its log, and the others still run. torchtitan's MoE runs on CUDA only.
 
@@ -37,6 +38,7 @@ from torchtitan_moe.parity import log_tail, read_metrics, run_training, split_ov
 MODELS = ("torchtitan", "local", "all_to_all", "deepep")
 ROUTERS = ("learned", "balanced")
 MODES = ("eager", "compiled")
+LOSS_WINDOW = 10  # steps averaged in the eager-vs-compiled loss comparison
 PROFILED_STEPS = 3  # traced at the end of a --profile run, after one warm-up step of the profiler
 
 
@@ -117,6 +119,28 @@ def table(variants: list[Variant], results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def loss_agreement(variants: list[Variant], results: dict[str, dict]) -> str:
+    """Compiled against eager, per model and router that ran both ways: relative loss difference."""
+    lines = []
+    for v in variants:
+        if v.mode != "eager":
+            continue
+        eager, compiled = results.get(v.name, {}), results.get(Variant(v.model, v.router, "compiled").name, {})
+        if "losses" not in eager or "losses" not in compiled:
+            continue
+        n = min(len(eager["losses"]), len(compiled["losses"]))
+        window = min(LOSS_WINDOW, n)
+        e, c = eager["losses"][:n], compiled["losses"][:n]
+        last = (c[-1] - e[-1]) / e[-1]
+        mean_e, mean_c = sum(e[-window:]) / window, sum(c[-window:]) / window
+        lines.append(f"| {v.name.removesuffix(' eager')} | {n} | {e[-1]:.4f} | {c[-1]:.4f} | {last:+.2%} | "
+                     f"{(mean_c - mean_e) / mean_e:+.2%} |")
+    if not lines:
+        return ""
+    return ("| model, router | step | eager loss | compiled loss | compiled / eager - 1 | "
+            f"same, mean of the last {LOSS_WINDOW} steps |\n|---|---|---|---|---|---|\n" + "\n".join(lines))
+
+
 def plot(results: dict[str, dict], path: Path) -> None:
     import matplotlib
 
@@ -191,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
             results[v.name]["profile"] = profile_of(dump, args.steps)
 
     report = table(variants, results)
+    agreement = loss_agreement(variants, results)
+    if agreement:
+        report += "\n\ncompiled against eager, same seed and tokens:\n\n" + agreement
     for v in variants if args.profile else []:
         profile = results[v.name].get("profile")
         report += f"\n\n### {v.name}: step-time breakdown, rank 0, the last {PROFILED_STEPS} steps\n\n"

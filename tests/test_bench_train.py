@@ -53,3 +53,17 @@ def test_cpu_run_writes_the_table(tmp_path):
     assert set(results) == {"ours/local learned eager", "ours/local balanced eager"}
     assert all(r["steps"] == 4 and r["tps"] > 0 for r in results.values())
     assert "| ours/local balanced eager |" in (tmp_path / "bench_train.md").read_text()
+
+
+def test_plot_losses_labels_every_curve_and_gives_its_gap_to_the_first(tmp_path):
+    import runpy
+
+    plot_losses = runpy.run_path(str(ROOT / "scripts" / "plot_losses.py"))
+    a, b = tmp_path / "a" / "bench_train.json", tmp_path / "b.json"
+    a.parent.mkdir()
+    a.write_text(json.dumps({"ours eager": {"losses": [12.0] * 9 + [10.0]}, "broken": {"failed": "exit 1"}}))
+    b.write_text(json.dumps({"ours compiled": {"losses": [12.0] * 9 + [9.8]}}))
+    runs = plot_losses["curves"]([str(a), f"{b}=run 2"])
+    assert list(runs) == ["ours eager a", "ours compiled run 2"]  # the failed variant has no curve
+    # last step: 9.8 / 10 - 1 = -2%; last 10 steps: (108 + 9.8) / (108 + 10) - 1 = -0.17%
+    assert "| ours compiled run 2 | 10 | 9.8000 | -2.00% | -0.17% |" in plot_losses["gaps"](runs)

@@ -101,6 +101,14 @@ class MoETrainer(Trainer):
             raise RouterInitError(f'{summary}; set [checks] router_init = "warn" to train anyway')
         logger.warning(f'{summary}; training anyway ([checks] router_init = "warn")')
 
+    def post_dataloading_process(self, input_dict, labels):
+        inputs, labels, extra_inputs, extra_kwargs = super().post_dataloading_process(input_dict, labels)
+        if self.ours:
+            # Our model's output layer returns the summed loss given the labels (one pass over
+            # bf16 logits, models/qwen3_moe/model.py:OutputLayer); the loss function passes it on.
+            extra_kwargs["labels"] = labels
+        return inputs, labels, extra_inputs, extra_kwargs
+
     def train_step(self, data_iterator) -> None:
         self._local_losses = []
         super().train_step(data_iterator)

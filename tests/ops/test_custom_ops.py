@@ -42,6 +42,14 @@ def test_gather_rows_and_combine_opcheck():
     torch.library.opcheck(torch.ops.torchtitan_moe.combine_backward, (dout, index.inv, index.row_slot, probs.detach(), y.detach()))
 
 
+def test_linear_cross_entropy_opcheck():
+    h = torch.randn(12, 8, device=DEVICE, requires_grad=True)
+    w = torch.randn(40, 8, device=DEVICE, requires_grad=True)
+    labels = torch.randint(0, 40, (12,), device=DEVICE)
+    labels[5] = -100
+    torch.library.opcheck(torch.ops.torchtitan_moe.linear_cross_entropy, (h, w, labels, -100), test_utils=OPCHECK_TESTS)
+
+
 def test_send_plan_and_send_meta_opcheck():
     experts = random_routing(24, 4, 12, 0).to(DEVICE)
     torch.library.opcheck(torch.ops.torchtitan_moe.send_plan, (experts, 4, 3), test_utils=OPCHECK_TESTS)

@@ -10,6 +10,9 @@
     rank_slots, slots_per_rank = send_plan(experts, L, P)        the all-to-all dispatcher's send side:
     meta  = send_meta(row_slot, experts, probs, L)      [S, 2K]  one row per (token, rank), its slots
 
+    loss  = linear_cross_entropy(h [N, D], weight [V, D], labels [N])   the output layer and its
+            summed cross-entropy; the Triton path makes the gradients in the forward, in place
+
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
 torch ops). <op>.py holds the API, the argument checks, the reference and the
 `torch.library` custom op (fake implementation, registered autograd: one opaque node for
@@ -21,6 +24,7 @@ torch and triton, so the package can be lifted into any training stack.
 """
 
 from .combine import combine, combine_reference, gather_rows, gather_rows_reference
+from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .grouped_mm import grouped_mm
 from .permute import RoutingIndex, routing_index, routing_index_reference
 from .send_plan import send_meta, send_meta_reference, send_plan, send_plan_reference
@@ -41,4 +45,6 @@ __all__ = [
     "send_plan_reference",
     "send_meta",
     "send_meta_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 
+import torch
+
 from torchtitan_moe.data import build_dataloader, build_tokenizer
 from torchtitan_moe.metrics import build_metrics_processor
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
@@ -50,6 +52,17 @@ def build_optimizers_with_balancing(model_parts, optimizer_config, parallel_dims
     return optimizers
 
 
+def build_loss(job_config, **kwargs):
+    """torchtitan's cross-entropy for logits (validation, checks, the baseline's way), and the
+    summed loss our model's output layer computed itself, given the labels, passed on as is."""
+    cross_entropy = build_cross_entropy_loss(job_config, **kwargs)
+
+    def loss_of_output(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return pred if pred.dim() == 0 else cross_entropy(pred, labels)
+
+    return loss_of_output
+
+
 def _build_dataloader(dp_world_size, dp_rank, tokenizer, job_config):
     vocab_size = FLAVORS[job_config.model.flavor].vocab_size
     return build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, vocab_size)
@@ -65,7 +78,7 @@ def train_spec() -> TrainSpec:
         build_lr_schedulers_fn=build_lr_schedulers,
         build_dataloader_fn=_build_dataloader,
         build_tokenizer_fn=build_tokenizer,
-        build_loss_fn=build_cross_entropy_loss,
+        build_loss_fn=build_loss,
         build_metrics_processor_fn=build_metrics_processor,
         # Hugging Face checkpoints in and out: [checkpoint] initial_load_in_hf / last_save_in_hf.
         state_dict_adapter=Qwen3MoEStateDictAdapter,

@@ -1,6 +1,7 @@
 """Qwen3-MoE: torchtitan's Qwen3 attention (qk-norm, GQA, RoPE) with our MoE layer.
 
     tokens [B, S] ─► tok_embeddings ─► n_layers x TransformerBlock ─► norm ─► output [B, S, V]
+                                                                   or, given labels, the summed loss []
     TransformerBlock: h = x + attention(attention_norm(x));  out = h + moe(ffn_norm(h))
                       (`attend` is everything before the MoE)
 
@@ -13,9 +14,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torchtitan_moe import ops
 from torchtitan_moe.models.qwen3_moe.args import Qwen3MoEArgs
 from torchtitan_moe.models.sharded_init import full_tensors
-from torchtitan_moe.moe.layer import MoE
+from torchtitan_moe.moe.experts import autocast_dtype
+from torchtitan_moe.moe.layer import MoE, resolve_kernels
 from torchtitan_moe.torchtitan_compat import Attention, ModelProtocol, precompute_rope_cache, trunc_normal_
 
 
@@ -48,6 +51,26 @@ class TransformerBlock(nn.Module):
         self.moe.init_weights(self.out_init_std, buffer_device)
 
 
+class OutputLayer(nn.Linear):
+    """The output projection [D] -> [V]. Given labels it returns the summed cross-entropy []
+    (torchtitan's loss, reduction "sum") instead of the logits: with Triton kernels the loss and
+    its gradients come from one pass over bf16 logits (ops.linear_cross_entropy), never the 5 GB
+    of fp32 log-probabilities torchtitan's loss keeps at 8192 tokens. It runs inside this
+    module's forward, so FSDP2's hooks gather and reduce the weight as for a plain Linear."""
+
+    def __init__(self, dim: int, vocab_size: int, kernels: str):
+        super().__init__(dim, vocab_size, bias=False)
+        self.kernels = kernels
+
+    def forward(self, h: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(h)
+        # Autocast does not reach into custom ops: cast as it would for a Linear.
+        dtype = autocast_dtype(h.device) or self.weight.dtype
+        return ops.linear_cross_entropy(h.flatten(0, -2).to(dtype), self.weight.to(dtype), labels.flatten(),
+                                        backend=resolve_kernels(self.kernels, h.device))
+
+
 class Qwen3MoEModel(ModelProtocol):
     def __init__(self, args: Qwen3MoEArgs):
         super().__init__(args)
@@ -56,7 +79,7 @@ class Qwen3MoEModel(ModelProtocol):
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputLayer(args.dim, args.vocab_size, args.moe.kernels)
         if args.enable_weight_tying:
             self.output.weight = self.tok_embeddings.weight
 
@@ -82,11 +105,13 @@ class Qwen3MoEModel(ModelProtocol):
         with full_tensors(self.output):
             trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None) -> torch.Tensor:
-        """tokens [B, S] int64 -> logits [B, S, V]. Causal SDPA attention only."""
+    def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, S] int64 -> logits [B, S, V]; with labels [B, S], the summed loss [] fp32
+        (the trainer passes them: see loss_of_output). Causal SDPA attention only."""
         if attention_masks is not None or positions is not None:
             raise ValueError("qwen3_moe uses causal SDPA attention: attention_masks and positions must be None")
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope_cache)
-        return self.output(self.norm(h))
+        return self.output(self.norm(h), labels)

@@ -1,0 +1,56 @@
+"""Loss curves of several bench_train runs in one figure, and each curve's gap to the first.
+
+    python scripts/plot_losses.py OUT.png RUN/bench_train.json[=LABEL] ...
+
+Every variant of every file becomes a curve, named "<variant> <LABEL>" (LABEL defaults to the
+file's folder). Prints, for each curve, its loss at the last step and over the last 10 steps
+relative to the first curve's: repeated runs of one variant show the run-to-run spread that
+a compiled-against-eager gap has to be read against.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from torchtitan_moe.bench_train import LOSS_WINDOW, plot
+
+
+def curves(specs: list[str]) -> dict[str, dict]:
+    out = {}
+    for spec in specs:
+        path, _, label = spec.partition("=")
+        label = label or Path(path).parent.name
+        for variant, result in json.loads(Path(path).read_text()).items():
+            if "losses" in result:
+                out[f"{variant} {label}"] = {"losses": result["losses"]}
+    return out
+
+
+def gaps(runs: dict[str, dict]) -> str:
+    (first, base), *_ = runs.items()
+    b = base["losses"]
+    lines = [f"relative to {first}:", f"| curve | step | last loss | gap | gap, mean of the last {LOSS_WINDOW} |",
+             "|---|---|---|---|---|"]
+    for name, r in runs.items():
+        n = min(len(b), len(r["losses"]))
+        x, y = r["losses"][:n], b[:n]
+        w = min(LOSS_WINDOW, n)
+        mean = sum(x[-w:]) / sum(y[-w:]) - 1
+        lines.append(f"| {name} | {n} | {x[-1]:.4f} | {x[-1] / y[-1] - 1:+.2%} | {mean:+.2%} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    runs = curves(argv[1:])
+    if not runs:
+        raise SystemExit("plot_losses: no loss curves in " + " ".join(argv[1:]))
+    plot(runs, Path(argv[0]))
+    print(gaps(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""linear_cross_entropy: the output layer and its cross-entropy loss, gradients made in the forward.
+
+    h        [N, D]  final hidden states (after the last norm)
+    weight   [V, D]  the output layer, h's dtype
+    labels   [N]     int64 target ids; rows labelled ignore_index count nothing
+    -> loss  []      fp32: sum over rows of logsumexp(logits) - logits[label]
+                     (reduction "sum", as torchtitan's loss; it divides by the token count later)
+
+logits = h @ weight.T [N, V] in h's dtype, as an nn.Linear makes them.
+
+torch    the reference and torchtitan's own math: F.cross_entropy of the fp32 logits, autograd.
+triton   one kernel reads each logits row twice (max and sum online in fp32, then softmax -
+         one-hot) and overwrites it with its gradient G in h's dtype; the two gradient GEMMs run
+         at once, dh = G @ weight [N, D] and dweight = G.T @ h [V, D], and the backward only
+         scales them by the loss's incoming gradient. Neither fp32 logits nor fp32
+         log-probabilities are made or kept: at 8192 tokens and Qwen3's 151,936-token vocabulary
+         those are 5 GB each in torchtitan's loss. G is rounded before that scaling (torchtitan
+         rounds after): the two differ by at most one rounding of h's dtype.
+Labels outside [0, V) other than ignore_index: the torch path raises (a device assert on CUDA);
+the kernel never reads out of bounds and returns a NaN loss instead.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._backend import use_triton
+
+IGNORE_INDEX = -100  # torchtitan's (torchtitan.components.loss.IGNORE_INDEX)
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_args(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
+    if h.dim() != 2 or not h.is_floating_point():
+        raise ValueError(f"h must be a float tensor [N, D], got {tuple(h.shape)} {h.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != h.shape[1] or weight.dtype != h.dtype:
+        raise ValueError(f"weight must be [V, {h.shape[1]}] {h.dtype} like h, got {tuple(weight.shape)} {weight.dtype}")
+    if labels.shape != h.shape[:1] or labels.dtype != torch.int64:
+        raise ValueError(f"labels must be int64 of shape [{h.shape[0]}], got {tuple(labels.shape)} {labels.dtype}")
+    if not h.device == weight.device == labels.device:
+        raise ValueError(f"h, weight and labels must be on one device, got {h.device}, {weight.device}, {labels.device}")
+
+
+def linear_cross_entropy_reference(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX
+) -> torch.Tensor:
+    """torchtitan's loss on an nn.Linear's logits: cross-entropy of the fp32 logits, summed."""
+    logits = h @ weight.t()
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="sum")
+
+
+# ---------------------------------------------------------------------------- Triton op
+# One opaque node for torch.compile. Its outputs after the loss are the gradients, kept for
+# the backward (they do not depend on the incoming gradient, only scale with it).
+
+
+@torch.library.custom_op("torchtitan_moe::linear_cross_entropy", mutates_args=())
+def _linear_cross_entropy_triton(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .cross_entropy_triton import cross_entropy_rows_
+
+    logits = h @ weight.t()  # [N, V]
+    loss_rows = cross_entropy_rows_(logits, labels, ignore_index)  # logits now hold G = dloss / dlogits
+    return loss_rows.sum(), logits @ weight, logits.t() @ h
+
+
+@_linear_cross_entropy_triton.register_fake
+def _(h, weight, labels, ignore_index):
+    return h.new_empty((), dtype=torch.float32), torch.empty_like(h), torch.empty_like(weight)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _backward(ctx, dloss, _dh, _dweight):
+    dh, dweight = ctx.saved_tensors
+    return dh * dloss, dweight * dloss, None, None
+
+
+_linear_cross_entropy_triton.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
+    *, backend: str = "triton",
+) -> torch.Tensor:
+    """Summed cross-entropy [] fp32 of the logits h @ weight.T against labels."""
+    _check_args(h, weight, labels)
+    if not use_triton(backend, h):
+        return linear_cross_entropy_reference(h, weight, labels, ignore_index)
+    if h.dtype not in TRITON_DTYPES:
+        raise ValueError(f"backend='triton' takes h in {', '.join(map(str, TRITON_DTYPES))}, got {h.dtype}; "
+                         "use backend='torch'")
+    return _linear_cross_entropy_triton(h, weight, labels, ignore_index)[0]

@@ -25,9 +25,9 @@ import triton
 torch._functorch.config.donated_buffer = False
 
 
-def parse_args(doc: str) -> argparse.Namespace:
+def parse_args(doc: str, tokens: tuple[int, ...] = (16384, 65536)) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16384, 65536], help="tokens per batch (T)")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(tokens), help="tokens per batch (T)")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     return parser.parse_args()
 

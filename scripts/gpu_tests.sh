@@ -5,6 +5,7 @@
 # tier cannot do):
 #   tests/ops            kernels compiled (not interpreted), at Qwen3-30B-A3B sizes, against float64
 #   test_moe_layer       the layer with Triton kernels against the torch reference
+#   test_output_loss     the model's output layer computes torchtitan's loss with the Triton kernel
 #   test_sharded_init    2 GPUs (NCCL): init equals 1 GPU's, gradients of FSDP and EP = 2 equal 1 GPU's
 #   test_gpu_e2e         the debug model trains on 1 GPU with Triton kernels; a zero gate stops the run;
 #                        two runs are bitwise identical; EP = 2 (all-to-all + Triton) matches EP = 1
@@ -33,7 +34,7 @@ files=$(grep -l "pytest.mark.gpu" tests/*.py)
 # by a time limit still shows where it was and what had failed.
 rm -f "$out/failures.log"
 FAILURES_LOG="$out/failures.log" "$py" -m pytest -v -rs --durations 15 -p no:cacheprovider \
-    --junitxml "$out/gpu_tests.xml" tests/ops tests/test_moe_layer.py $files > "$out/gpu_tests.log" 2>&1
+    --junitxml "$out/gpu_tests.xml" tests/ops tests/test_moe_layer.py tests/test_output_loss.py $files > "$out/gpu_tests.log" 2>&1
 code=$?
 # Failures (with their assertion text) and skip reasons, then the one summary line.
 [ -s "$out/failures.log" ] && grep -E "^FAILED|^E  " "$out/failures.log" | head -n 60

@@ -16,6 +16,8 @@ triton   one kernel reads each logits row twice (max and sum online in fp32, the
          log-probabilities are made or kept: at 8192 tokens and Qwen3's 151,936-token vocabulary
          those are 5 GB each in torchtitan's loss. G is rounded before that scaling (torchtitan
          rounds after): the two differ by at most one rounding of h's dtype.
+Meant for training: the Triton path runs the gradient GEMMs even where nothing requires a
+gradient (evaluate from logits instead, as torchtitan's validator does).
 Labels outside [0, V) other than ignore_index: the torch path raises (a device assert on CUDA);
 the kernel never reads out of bounds and returns a NaN loss instead.
 """

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from torchtitan_moe.bench_train import LOSS_WINDOW, plot
+from torchtitan_moe.bench_train import LOSS_WINDOW, loss_gap, plot
 
 
 def curves(specs: list[str]) -> dict[str, dict]:
@@ -28,15 +28,11 @@ def curves(specs: list[str]) -> dict[str, dict]:
 
 def gaps(runs: dict[str, dict]) -> str:
     (first, base), *_ = runs.items()
-    b = base["losses"]
     lines = [f"relative to {first}:", f"| curve | step | last loss | gap | gap, mean of the last {LOSS_WINDOW} |",
              "|---|---|---|---|---|"]
     for name, r in runs.items():
-        n = min(len(b), len(r["losses"]))
-        x, y = r["losses"][:n], b[:n]
-        w = min(LOSS_WINDOW, n)
-        mean = sum(x[-w:]) / sum(y[-w:]) - 1
-        lines.append(f"| {name} | {n} | {x[-1]:.4f} | {x[-1] / y[-1] - 1:+.2%} | {mean:+.2%} |")
+        n, last, window = loss_gap(base["losses"], r["losses"])
+        lines.append(f"| {name} | {n} | {r['losses'][n - 1]:.4f} | {last:+.2%} | {window:+.2%} |")
     return "\n".join(lines)
 
 

@@ -10,7 +10,8 @@ one after the other on this node, from the same config and data, and prints one 
 tokens/s/GPU (median of the steps after --warmup), TFLOP/s, MFU, peak memory and the final
 loss, with the ratios to torchtitan eager and compiled with the same router, measured in
 this run; then, for each model and router run both ways, how far the compiled loss is from the
-eager one (at the last step, and over the last LOSS_WINDOW steps: compiling must not change training). Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
+eager one (at the last step, and over the last LOSS_WINDOW steps: compiling must not change
+training). Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
 the variants should train alike) to --out. A variant that fails is reported as failed, with
 its log, and the others still run. torchtitan's MoE runs on CUDA only.
 
@@ -119,6 +120,14 @@ def table(variants: list[Variant], results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def loss_gap(base: list[float], other: list[float]) -> tuple[int, float, float]:
+    """Over the steps both ran: (steps, other / base - 1 at the last step, the same for the sums
+    of the last LOSS_WINDOW steps)."""
+    n = min(len(base), len(other))
+    w = min(LOSS_WINDOW, n)
+    return n, other[n - 1] / base[n - 1] - 1, sum(other[n - w : n]) / sum(base[n - w : n]) - 1
+
+
 def loss_agreement(variants: list[Variant], results: dict[str, dict]) -> str:
     """Compiled against eager, per model and router that ran both ways: relative loss difference."""
     lines = []
@@ -128,13 +137,9 @@ def loss_agreement(variants: list[Variant], results: dict[str, dict]) -> str:
         eager, compiled = results.get(v.name, {}), results.get(Variant(v.model, v.router, "compiled").name, {})
         if "losses" not in eager or "losses" not in compiled:
             continue
-        n = min(len(eager["losses"]), len(compiled["losses"]))
-        window = min(LOSS_WINDOW, n)
-        e, c = eager["losses"][:n], compiled["losses"][:n]
-        last = (c[-1] - e[-1]) / e[-1]
-        mean_e, mean_c = sum(e[-window:]) / window, sum(c[-window:]) / window
-        lines.append(f"| {v.name.removesuffix(' eager')} | {n} | {e[-1]:.4f} | {c[-1]:.4f} | {last:+.2%} | "
-                     f"{(mean_c - mean_e) / mean_e:+.2%} |")
+        n, last, window = loss_gap(eager["losses"], compiled["losses"])
+        lines.append(f"| {v.name.removesuffix(' eager')} | {n} | {eager['losses'][n - 1]:.4f} | "
+                     f"{compiled['losses'][n - 1]:.4f} | {last:+.2%} | {window:+.2%} |")
     if not lines:
         return ""
     return ("| model, router | step | eager loss | compiled loss | compiled / eager - 1 | "

@@ -13,6 +13,8 @@ bytes) at the copy bandwidth measured in this run. Memory: peak allocated above 
 during one forward + backward.
 """
 
+import json
+
 import torch
 
 from _bench import measure_ceilings, median_us, parse_args
@@ -73,8 +75,6 @@ def main() -> None:
         print(f"| {r['tokens']} | {r['impl']} | {r['us']:.0f} | {r['x_eager']:.2f} | {r['x_compile']:.2f} | "
               f"{100 * r['floor_us'] / r['us']:.0f}% | {r['peak_GiB']:.2f} |")
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "ceilings": c, "rows": rows}, f, indent=1)
 

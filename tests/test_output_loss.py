@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, build_loss, flavor_args
+from torchtitan_moe.ops.cross_entropy import IGNORE_INDEX
 from torchtitan_moe.torchtitan_compat import build_cross_entropy_loss
 from torchtitan_moe.train import MoETrainer
 
@@ -29,13 +30,12 @@ def debug_model(kernels: str) -> Qwen3MoEModel:
     return model
 
 
-def job_config(compile_loss: bool = False):
-    return SimpleNamespace(compile=SimpleNamespace(enable=compile_loss, components=[], backend="inductor"))
+JOB = SimpleNamespace(compile=SimpleNamespace(enable=False, components=[], backend="inductor"))  # what the loss reads
 
 
 def loss_and_grads(model, tokens, labels, fused: bool, autocast: bool = False):
     model.zero_grad()
-    cross_entropy = build_cross_entropy_loss(job_config())
+    cross_entropy = build_cross_entropy_loss(JOB)
     with torch.autocast(DEVICE, dtype=torch.bfloat16, enabled=autocast):
         loss = model(tokens, labels=labels) if fused else cross_entropy(model(tokens), labels)
     loss.backward()
@@ -54,7 +54,7 @@ def test_the_output_layer_gives_torchtitans_loss_and_gradients(kernels):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 300, (2, 32), generator=g).to(DEVICE)
     labels = torch.randint(0, 300, (2, 32), generator=g).to(DEVICE)
-    labels[0, :5] = -100  # ignored positions count nothing
+    labels[0, :5] = IGNORE_INDEX  # ignored positions count nothing
     ref_loss, ref_grads = loss_and_grads(model, tokens, labels, fused=False)
     loss, grads = loss_and_grads(model, tokens, labels, fused=True)
     assert loss.dim() == 0 and loss.dtype == torch.float32
@@ -85,11 +85,11 @@ def test_without_labels_the_model_returns_logits():
 
 
 def test_the_loss_function_passes_a_computed_loss_on_and_scores_logits():
-    loss_fn = build_loss(job_config())
+    loss_fn = build_loss(JOB)
     summed = torch.tensor(3.5)
     assert loss_fn(summed, torch.zeros(2, 4, dtype=torch.long)) is summed
     logits, labels = torch.randn(2, 4, 10), torch.randint(0, 10, (2, 4))
-    assert torch.equal(loss_fn(logits, labels), build_cross_entropy_loss(job_config())(logits, labels))
+    assert torch.equal(loss_fn(logits, labels), build_cross_entropy_loss(JOB)(logits, labels))
 
 
 @pytest.mark.parametrize("ours", [True, False])

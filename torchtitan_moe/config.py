@@ -246,10 +246,30 @@ def check_structure(values: dict[str, Any], config_cls: type, source: str) -> No
                 )
 
 
+def _cli_value_ok(text: str, tp: Any) -> bool:
+    """Would the command line's `text` parse as `tp`? Only scalar types are judged (booleans are
+    tyro flags, lists take several words): anything else is left to torchtitan's parser."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        arms = [a for a in typing.get_args(tp) if a is not type(None)]
+        return text == "None" or any(_cli_value_ok(text, a) for a in arms)
+    if origin is Literal:
+        return text in [str(a) for a in typing.get_args(tp)]
+    try:
+        if tp is int:
+            int(text)
+        elif tp is float:
+            float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def check_cli_keys(args: list[str], config_cls: type) -> None:
-    """Reject `--section.key` overrides that name no known section or key."""
+    """Reject `--section.key` overrides that name no known section or key, or give a value that is
+    not of the key's type (one line here, rather than the parser's multi-line box)."""
     sections = {f.name: f.type for f in dataclasses.fields(config_cls)}
-    for arg in args:
+    for i, arg in enumerate(args):
         if not arg.startswith("--") or "." not in arg or arg in ("--help", "-h"):
             continue
         name = arg[2:].split("=", 1)[0].replace("-", "_")
@@ -260,11 +280,14 @@ def check_cli_keys(args: list[str], config_cls: type) -> None:
             raise ConfigError(f"{arg}: unknown section '{section}'; known: {', '.join(sorted(sections))}")
         if (section, key) in REPLACED_KEYS:
             raise ConfigError(f"{arg}: [{section}] {key} was {REPLACED_KEYS[section, key]}")
-        keys = {f.name for f in dataclasses.fields(sections[section])}
+        keys = {f.name: f.type for f in dataclasses.fields(sections[section])}
         if key.startswith("no_") and key[3:] in keys:  # tyro's negated booleans: --section.no-key
             key = key[3:]
         if key not in keys:
             raise ConfigError(f"{arg}: unknown key '{key}' in [{section}]; known: {', '.join(sorted(keys))}")
+        text = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else None)
+        if text is not None and (("=" in arg) or not text.startswith("--")) and not _cli_value_ok(text, keys[key]):
+            raise ConfigError(f"--{section}.{key} {text}: [{section}] {key} must be {_describe(keys[key])}")
 
 
 # ---------------------------------------------------------------------------------------

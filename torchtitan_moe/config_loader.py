@@ -12,6 +12,7 @@ import os
 import sys
 
 from torchtitan_moe.config import ConfigError, check_cli_keys, check_semantics, check_structure
+from torchtitan_moe.config_torchtitan import check_tokenizer_file, check_torchtitan_keys
 from torchtitan_moe.torchtitan_compat import CUSTOM_CONFIG_MODULE, ConfigManager, merged_config_class
 
 try:
@@ -47,8 +48,11 @@ def with_custom_config_module(argv: list[str], toml_values: dict) -> list[str]:
     return [*argv, "--job.custom_config_module", CUSTOM_CONFIG_MODULE]
 
 
-def load_job_config(argv: list[str] | None = None):
-    """Parse `--job.config_file FILE [--section.key value ...]` into a checked JobConfig."""
+def load_job_config(argv: list[str] | None = None, world_size: int | None = None):
+    """Parse `--job.config_file FILE [--section.key value ...]` into a checked JobConfig.
+
+    `world_size`: the number of processes the run will have, when known before launch (a
+    launcher's WORLD_SIZE wins); the degrees of parallelism are checked against it."""
     from torchtitan_moe.models.qwen3_moe import FLAVORS
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -61,6 +65,9 @@ def load_job_config(argv: list[str] | None = None):
     if module != CUSTOM_CONFIG_MODULE:
         raise ConfigError(f"[job] custom_config_module = {module!r}: torchtitan-moe needs {CUSTOM_CONFIG_MODULE!r}")
     config = ConfigManager().parse_args(with_custom_config_module(argv, toml_values))
-    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None
+    world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else world_size
     check_semantics(config, FLAVORS, world_size)
+    check_torchtitan_keys(config, world_size)
+    if config.data.tokenizer != "bytes":
+        check_tokenizer_file(config.data.tokenizer)
     return config

@@ -35,10 +35,8 @@ import torch.distributed as dist
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.exchange import exchange
-from torchtitan_moe.dispatch.local import LocalDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
     EP_SIZES,
     DeepEPUnavailable,
@@ -48,7 +46,8 @@ from torchtitan_moe.dispatch.deepep_backend import (
     release_buffers,
 )
 from torchtitan_moe.moe import MoE, MoEArgs
-from torchtitan_moe.moe.router import Routing, count_tokens
+from torchtitan_moe.moe.router import count_tokens
+from torchtitan_moe.seam import ExpertBatch, LocalDispatcher, Routing, slots_to_rows
 from torchtitan_moe.tune_dispatch import timed_ms
 
 

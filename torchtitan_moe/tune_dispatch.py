@@ -47,7 +47,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
     release_buffers,
 )
 from torchtitan_moe.moe.layer import MoE
-from torchtitan_moe.moe.router import Routing
+from torchtitan_moe.seam import Routing
 
 NUM_SMS = (16, 24, 32, 48, 64, 96, 128)
 DISPATCH_CHUNKS = (4, 8, 16, 24, 32)

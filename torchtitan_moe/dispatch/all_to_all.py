@@ -21,18 +21,15 @@ the first forward (`keep_exchanges`) instead of communicating again.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, expert_major
 from torchtitan_moe.dispatch.exchange import exchange, replay
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-
-if TYPE_CHECKING:
-    from torchtitan_moe.moe.router import Routing
+from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
 
 
 class _Rows(NamedTuple):

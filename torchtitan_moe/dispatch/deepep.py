@@ -17,17 +17,14 @@ checkpointing the recompute replays the kept results: no second exchange, no sec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, expert_major
 from torchtitan_moe.dispatch.deepep_backend import MAX_LOCAL_EXPERTS, MAX_TOP_K, DeepEPBackend, Dispatched, Handle
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-
-if TYPE_CHECKING:
-    from torchtitan_moe.moe.router import Routing
+from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
 
 
 class _Dispatch(torch.autograd.Function):

@@ -127,8 +127,8 @@ def host_ops_worker(rank: int, world: int, port: int, failures):
         routing = layer.router(x)
         dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=8, kernels="triton")
         with HostOps() as ops:
-            batch = dispatcher.dispatch(x, routing)
-            dispatcher.combine(batch.x, batch)
+            batch = dispatcher.start_dispatch(x, routing).wait()
+            dispatcher.start_combine(batch.x, batch).wait()
         # 21 on torch 2.13 (send_plan and send_meta); the torch ops they replaced made it 46.
         assert ops.count <= 24, f"{ops.count} host ops in dispatch + combine"
 

@@ -66,13 +66,21 @@ def forward_backward(layer: MoE, x: torch.Tensor, grad: torch.Tensor, use_checkp
 
 def count_calls(backend) -> Counter:
     calls: Counter = Counter()
-    for name in ("dispatch", "dispatch_again", "combine"):
+    for name in ("dispatch", "dispatch_again", "combine", "start_combine"):
         def counted(*args, _method=getattr(backend, name), _name=name, **kwargs):
             calls[_name] += 1
             return _method(*args, **kwargs)
 
         setattr(backend, name, counted)
     return calls
+
+
+def count_waits() -> list:
+    """Count the waits on the fake's events (one entry per wait)."""
+    handle = sys.modules["deep_ep"].EventHandle
+    waits: list = []
+    handle.current_stream_wait = lambda self: waits.append(1)
+    return waits
 
 
 def assert_close(actual, expected, what):
@@ -102,7 +110,7 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
     tokens = x.reshape(-1, DIM)
     with torch.no_grad():
         routing = a2a_layer.router(tokens)
-        expected, batch = a2a.dispatch(tokens, routing), deepep.dispatch(tokens, routing)
+        expected, batch = a2a.start_dispatch(tokens, routing).wait(), deepep.start_dispatch(tokens, routing).wait()
     n = int(expected.num_rows)
     assert int(batch.num_rows) == n
     for field in ("offsets", "tokens_per_expert"):
@@ -117,12 +125,15 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
     reference = forward_backward(a2a_layer, x, grad)
     calls = count_calls(backend)
     deepep.keep_exchanges = case == "checkpoint"
+    waits = count_waits() if "deep_ep" in sys.modules and hasattr(sys.modules["deep_ep"], "EventHandle") else None
     result = forward_backward(deepep_layer, x, grad, use_checkpoint=case == "checkpoint")
     for what, a, b in zip(("out", "x.grad", "gate.grad", "w13.grad", "w2.grad"), result, reference):
         assert_close(a, b, what)
-    # Forward: dispatch, combine; backward: dispatch with the handle, combine. The recompute
-    # of a checkpointed block replays both results.
-    assert calls == Counter(dispatch=1, combine=2, dispatch_again=1), calls
+    # Forward: dispatch, combine (both started on DeepEP's stream); backward: dispatch with the
+    # handle, combine. The recompute of a checkpointed block replays both results.
+    assert calls == Counter(dispatch=1, start_combine=1, combine=1, dispatch_again=1), calls
+    if waits is not None:  # the fake: the forward waited for both events (the recompute for the kept one)
+        assert waits == [1, 1] + [1] * (case == "checkpoint"), waits
     assert not deepep._kept
 
     # A handle keeps its configs: a backend of another num_sms combines it with them; DeepEP

@@ -71,9 +71,9 @@ class Pending(Protocol[T]):
 class Dispatcher(Protocol):
     kernels: str  # "torch" or "triton": the ops backend, also the experts'
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch: ...
+    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> Pending[ExpertBatch]: ...
 
-    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor: ...
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Pending[torch.Tensor]: ...
 
 
 class Done(Generic[T]):
@@ -147,10 +147,10 @@ class LocalDispatcher:
         self.align = align
         self.kernels = kernels
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> Done[ExpertBatch]:
         batch, index = expert_major(x, routing.experts, routing.probs, self.num_experts, self.align, self.kernels)
         batch.ctx = index
-        return batch
+        return Done(batch)
 
-    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
-        return ops.combine(y, batch.ctx, backend=self.kernels)
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Done[torch.Tensor]:
+        return Done(ops.combine(y, batch.ctx, backend=self.kernels))

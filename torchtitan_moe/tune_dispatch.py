@@ -148,8 +148,8 @@ class Sweep:
     def dispatch_combine_ms(self, dispatcher, label: str) -> float:
         def step():
             xg = self.x.detach().requires_grad_()
-            batch = dispatcher.dispatch(xg, self.routing)
-            dispatcher.combine(batch.x, batch).backward(self.grad)
+            batch = dispatcher.start_dispatch(xg, self.routing).wait()
+            dispatcher.start_combine(batch.x, batch).wait().backward(self.grad)
 
         return self._time(step, label)
 

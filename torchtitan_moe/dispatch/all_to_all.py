@@ -5,13 +5,18 @@ those experts on arrival; on the way back that rank first sums its experts' outp
 the token (the probabilities were already applied in the experts) and returns one row.
 torchtitan sends one row per (token, expert) instead: up to top_k copies of a token.
 
-    dispatch  experts [T, K] ─send_plan, routing_index by rank─► counts (rows, slots) per rank ─all_to_all─►
-              on their way to the host, while x [T, D] ─gather_rows─► send [T min(K, P), D] rows
-              grouped by destination rank, send_meta [., 2K] (local expert ids | probs) are queued;
-              the one host sync: split sizes; send[:S] + meta[:S] ─all_to_all─► recv [R, D]
+    start_dispatch  experts [T, K] ─send_plan, routing_index by rank─► counts (rows, slots) per rank
+              ─all_to_all─► on their way to the host, while x [T, D] ─gather_rows─► send [T min(K, P), D]
+              rows grouped by destination rank, send_meta [., 2K] (local expert ids | probs) are queued
+      .wait() the one host sync: split sizes; send[:S] + meta[:S] ─all_to_all─► recv [R, D]
               recv ─gather_rows (by local expert)─► ExpertBatch [N, D]
-    combine   y [N, D] ─combine─► per (token, source rank) [R, D] ─all_to_all─► [S, D]
-              ─combine─► out [T, D]
+    start_combine  y [N, D] ─combine─► per (token, source rank) [R, D] ─all_to_all─► [S, D]
+      .wait() ─combine─► out [T, D]
+
+On CUDA (eager) the exchanges run on the dispatcher's communication stream: `start_*` queues
+them there and returns, `wait()` makes the current stream wait for their end (an event). On
+CPU/gloo and under torch.compile they run where they are called (the custom op of exchange.py).
+What a call needs later travels in its handle and its ExpertBatch's ctx, not in the dispatcher.
 
 Everything but the exchanges is gather-based and deterministic (ops.gather_rows/combine).
 Under activation checkpointing the recomputed forward replays the exchanges it kept from
@@ -87,6 +92,7 @@ class AllToAllDispatcher(ReplaysExchanges):
         self.local_experts = num_experts // self.ep_size
         self.align = align
         self.kernels = kernels
+        self._comm: torch.cuda.Stream | None = None  # made on the first CUDA exchange
 
     # -- exchanges, kept for activation-checkpointing replay (dispatch/replay.py) -------------
 
@@ -107,9 +113,29 @@ class AllToAllDispatcher(ReplaysExchanges):
         (recv,) = exchange([counts], one_row, one_row, self.group)
         return _Counts(torch.cat([counts[:, 0], recv[:, 0], recv[:, 1].sum().view(1)]), self.ep_size)
 
+    # -- the communication stream (CUDA, eager) ----------------------------------------------
+
+    def _start_exchange(self, xs: list[torch.Tensor], send: list[int], recv: list[int]):
+        """-> (outs, done). On CUDA outside torch.compile the exchange runs on this dispatcher's
+        communication stream after the work queued so far, and `done` marks its end; elsewhere
+        (CPU/gloo, compiled) it runs where it is called and `done` is None."""
+        if not xs[0].is_cuda or torch.compiler.is_compiling():
+            return self._exchange(xs, send, recv), None
+        compute = torch.cuda.current_stream(xs[0].device)
+        if self._comm is None:
+            self._comm = torch.cuda.Stream(xs[0].device)
+        self._comm.wait_stream(compute)
+        with torch.cuda.stream(self._comm):
+            outs = self._exchange(xs, send, recv)
+        for x in xs:  # the caller may free them on the compute stream while the exchange reads
+            x.record_stream(self._comm)
+        done = torch.cuda.Event()
+        done.record(self._comm)
+        return outs, done
+
     # -- the dispatcher seam ------------------------------------------------------------------
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> _PendingDispatch:
         experts, probs = routing.experts, routing.probs
         num_tokens, top_k = experts.shape
         # One row per (token, rank): routing_index over each token's first slot on every rank.
@@ -125,21 +151,56 @@ class AllToAllDispatcher(ReplaysExchanges):
         # token's slots on that rank: local expert ids and probs.
         rows = ops.gather_rows(x, send_index, backend=self.kernels)  # [T min(K, P), D]
         meta = ops.send_meta(send_index.row_slot, experts, probs, self.local_experts, backend=self.kernels)  # [., 2K]
+        return _PendingDispatch(self, rows, meta, send_index, pending, top_k)
 
-        send_rows, recv_rows, recv_slots = sizes = pending.wait()  # the host sync
-        if not self._replaying():
-            self._keep(sizes)
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _PendingCombine:
+        plan: _Plan = batch.ctx
+        per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts
+        (back,), done = self._start_exchange([per_row], plan.recv_rows, plan.send_rows)  # [S, D]
+        return _PendingCombine(back, done, plan.send_index, self.kernels)
+
+
+def _arrived(outs: list[torch.Tensor], done) -> list[torch.Tensor]:
+    """Make an exchange's results usable on the current stream (`done`: its end, or None)."""
+    if done is not None:
+        stream = torch.cuda.current_stream(outs[0].device)
+        stream.wait_event(done)
+        for out in outs:  # made on the communication stream, read on this one
+            out.record_stream(stream)
+    return outs
+
+
+class _PendingDispatch:
+    """A started dispatch: its split sizes on their way to the host, its rows and metadata queued.
+    `wait()` reads the sizes (the host sync), exchanges and lays the rows out expert-major."""
+
+    def __init__(self, dispatcher: AllToAllDispatcher, rows, meta, send_index, counts: _Counts, top_k: int):
+        self.dispatcher, self.rows, self.meta, self.send_index = dispatcher, rows, meta, send_index
+        self.counts, self.top_k = counts, top_k
+
+    def wait(self) -> ExpertBatch:
+        d, top_k = self.dispatcher, self.top_k
+        send_rows, recv_rows, recv_slots = sizes = self.counts.wait()  # the host sync
+        if not d._replaying():
+            d._keep(sizes)
         num_send = sum(send_rows)
-        recv, recv_meta = self._exchange([rows[:num_send], meta[:num_send]], send_rows, recv_rows)  # [R, D], [R, 2K]
+        outs, done = d._start_exchange([self.rows[:num_send], self.meta[:num_send]], send_rows, recv_rows)
+        recv, recv_meta = _arrived(outs, done)  # [R, D], [R, 2K]
         local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
-        batch, local_index = expert_major(recv, local_ids, local_probs, self.local_experts, self.align, self.kernels,
+        batch, local_index = expert_major(recv, local_ids, local_probs, d.local_experts, d.align, d.kernels,
                                           num_slots=recv_slots)
-        sent = _Rows(send_index.inv, send_index.row_slot[:num_send], top_k, send_index.num_rows)
+        index = self.send_index
+        sent = _Rows(index.inv, index.row_slot[:num_send], top_k, index.num_rows)
         batch.ctx = _Plan(sent, local_index, send_rows, recv_rows)
         return batch
 
-    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
-        plan: _Plan = batch.ctx
-        per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts
-        (back,) = self._exchange([per_row], plan.recv_rows, plan.send_rows)  # [S, D]
-        return ops.combine(back, plan.send_index, backend=self.kernels)  # [T, D]: sum over ranks
+
+class _PendingCombine:
+    """A started combine: this rank's per-row sums on their way back. `wait()` sums over ranks."""
+
+    def __init__(self, back: torch.Tensor, done, send_index: _Rows, kernels: str):
+        self.back, self.done, self.send_index, self.kernels = back, done, send_index, kernels
+
+    def wait(self) -> torch.Tensor:
+        (back,) = _arrived([self.back], self.done)
+        return ops.combine(back, self.send_index, backend=self.kernels)  # [T, D]: sum over ranks

@@ -1,7 +1,7 @@
 """The MoE layer: router -> dispatcher -> grouped experts -> combine.
 
-    x [B, S, D] ─► router ─► Routing ─► dispatcher.dispatch ─► ExpertBatch ─► experts ─► y
-                                         dispatcher.combine(y) ─► out [B, S, D]
+    x [B, S, D] ─► router ─► Routing ─► dispatcher.start_dispatch ... .wait() ─► ExpertBatch ─► experts ─► y
+                                         dispatcher.start_combine(y) ... .wait() ─► out [B, S, D]
 
 The dispatcher speaks the seam (torchtitan_moe/seam.py); which one a layer gets is decided above
 this package (parallelization); a layer used on its own gets the seam's LocalDispatcher.
@@ -148,9 +148,9 @@ class MoE(nn.Module):
         # Under autocast the rows travel in its dtype, the experts' (half the bytes of fp32). Not
         # the weights' dtype: under FSDP2 they are still sharded fp32 here, unsharded in experts().
         dtype = autocast_dtype(tokens.device)
-        batch = self.dispatcher.dispatch(tokens if dtype is None else tokens.to(dtype), routing)
+        batch = self.dispatcher.start_dispatch(tokens if dtype is None else tokens.to(dtype), routing).wait()
         y = self.experts(batch)
-        out = self.dispatcher.combine(y, batch)
+        out = self.dispatcher.start_combine(y, batch).wait()
         if routing.aux_loss is not None:
             out = _AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
         return out.view(batch_size, seq_len, dim)

@@ -103,7 +103,8 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
     a2a_layer.set_dispatcher(a2a)
     deepep_layer = make_layer(padding, zero_gate, rank, world, device)
     backend = DeepEPV1(group, default_settings(world), DIM)
-    deepep = DeepEPDispatcher(EXPERTS, backend, align=kernels_align, kernels=kernels)
+    buffers = "worst_case" if case.startswith("worst_case") else "exact"
+    deepep = DeepEPDispatcher(EXPERTS, backend, align=kernels_align, kernels=kernels, buffers=buffers)
     deepep_layer.set_dispatcher(deepep)
 
     # The ExpertBatch, row for row: same rows in the same order (pure data movement).
@@ -124,16 +125,16 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
     # The layer, forward and backward.
     reference = forward_backward(a2a_layer, x, grad)
     calls = count_calls(backend)
-    deepep.keep_exchanges = case == "checkpoint"
+    deepep.keep_exchanges = case.endswith("checkpoint")
     waits = count_waits() if "deep_ep" in sys.modules and hasattr(sys.modules["deep_ep"], "EventHandle") else None
-    result = forward_backward(deepep_layer, x, grad, use_checkpoint=case == "checkpoint")
+    result = forward_backward(deepep_layer, x, grad, use_checkpoint=case.endswith("checkpoint"))
     for what, a, b in zip(("out", "x.grad", "gate.grad", "w13.grad", "w2.grad"), result, reference):
         assert_close(a, b, what)
     # Forward: dispatch, combine (both started on DeepEP's stream); backward: dispatch with the
     # handle, combine. The recompute of a checkpointed block replays both results.
     assert calls == Counter(dispatch=1, start_combine=1, combine=1, dispatch_again=1), calls
     if waits is not None:  # the fake: the forward waited for both events (the recompute for the kept one)
-        assert waits == [1, 1] + [1] * (case == "checkpoint"), waits
+        assert waits == [1, 1] + [1] * case.endswith("checkpoint"), waits
     assert not deepep._kept
 
     # A handle keeps its configs: a backend of another num_sms combines it with them; DeepEP
@@ -191,6 +192,8 @@ def spawn(world: int, mode: str, padding: str, case: str) -> None:
         (2, "none", "random"),
         (4, "always", "zero_gate"),  # 2 of 4 ranks receive nothing; 5 of 8 experts get no tokens
         (2, "always", "checkpoint"),  # activation checkpointing replays the exchanges
+        (2, "always", "worst_case"),  # num_worst_tokens: no host sync, undefined rows past the received
+        (4, "none", "worst_case_checkpoint"),
     ],
 )
 def test_deepep_matches_all_to_all_on_fake_deep_ep(world, padding, case):
@@ -212,7 +215,8 @@ def deep_ep_is_installed() -> bool:
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or not deep_ep_is_installed(), reason="needs 2 GPUs and deep_ep")
 @pytest.mark.parametrize(
     "padding, case",
-    [("none", "random"), ("always", "zero_gate"), ("always", "checkpoint")],  # zero_gate: rank 1 receives nothing
+    [("none", "random"), ("always", "zero_gate"), ("always", "checkpoint"), ("always", "worst_case"),
+     ("none", "worst_case_checkpoint")],  # zero_gate: rank 1 receives nothing
 )
 def test_deepep_matches_all_to_all_on_gpus(padding, case):
     spawn(2, "nccl", padding, case)

@@ -28,6 +28,11 @@ from torchtitan_moe import ops
 
 T = TypeVar("T", covariant=True)
 
+# How a dispatcher sizes what it receives ([dispatch] buffers): "exact", from the received counts
+# (one host sync per layer: the CPU waits for them); "worst_case", for the most a rank can receive
+# (no host sync, CUDA-graph capturable; more memory: see dispatch/all_to_all.py).
+BUFFERS = ("exact", "worst_case")
+
 
 @dataclass
 class Routing:

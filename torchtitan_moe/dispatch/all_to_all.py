@@ -18,6 +18,22 @@ them there and returns, `wait()` makes the current stream wait for their end (an
 CPU/gloo and under torch.compile they run where they are called (the custom op of exchange.py).
 What a call needs later travels in its handle and its ExpertBatch's ctx, not in the dispatcher.
 
+Worst-case buffers (`buffers = "worst_case"`, [dispatch] buffers): no host sync. Every rank sends
+T rows to every rank, rank p's rows at [p T, p T + n_p) and tail rows (no slot, zeros, experts -1)
+after them (`fixed_capacity`), so the splits are [T] * P, known without asking the device; every
+rank must have the same T (training's local batch x seq_len). The receiver finds its rows' experts
+in their metadata, and lays out expert-major rows for the most it can receive: P T min(K, E/P)
+slots (rows past num_rows are never read: grouped_mm takes device offsets). What that costs, at
+Qwen3-30B-A3B (D = 2048, I = 768, E = 128, K = 8), T = 8192 tokens/rank, align 1:
+
+    received rows      P T             vs  P T (1 - (1 - 1/P)^K) used    EP 2: +0.4%    EP 8: +52%
+    expert-major rows  P T min(K, E/P) vs  ~T K = 65,536 (balanced)      EP 2: 131,072 (2x)  EP 8: 524,288 (8x)
+    per expert-major row: 2D (x) + 4I (ab) + 2I (h) + 4 (prob) = 8,708 bytes held for backward,
+    plus 2D (y) in the forward: EP 2 holds +544 MiB per MoE layer, EP 8 +3.7 GiB
+
+(per layer held until its backward: times the layers without activation checkpointing). The send
+side costs nothing more (T min(K, P) rows either way at P <= K). Hence a switch, "exact" by default.
+
 Everything but the exchanges is gather-based and deterministic (ops.gather_rows/combine).
 Under activation checkpointing the recomputed forward replays the exchanges it kept from
 the first forward (`keep_exchanges`) instead of communicating again.
@@ -34,7 +50,7 @@ import torch.distributed as dist
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch.exchange import exchange, replay
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
+from torchtitan_moe.seam import BUFFERS, ExpertBatch, Routing, expert_major
 
 
 class _Rows(NamedTuple):
@@ -81,7 +97,8 @@ class _Plan:
 
 
 class AllToAllDispatcher(ReplaysExchanges):
-    def __init__(self, num_experts: int, group: dist.ProcessGroup, align: int = 1, kernels: str = "torch"):
+    def __init__(self, num_experts: int, group: dist.ProcessGroup, align: int = 1, kernels: str = "torch",
+                 buffers: str = "exact"):
         super().__init__()
         self.group = group
         self.ep_size = dist.get_world_size(group)
@@ -90,8 +107,11 @@ class AllToAllDispatcher(ReplaysExchanges):
             raise ValueError(f"num_experts = {num_experts} is not divisible by the EP degree {self.ep_size}")
         self.num_experts = num_experts
         self.local_experts = num_experts // self.ep_size
+        if buffers not in BUFFERS:
+            raise ValueError(f"buffers = {buffers!r}: expected one of {', '.join(map(repr, BUFFERS))}")
         self.align = align
         self.kernels = kernels
+        self.buffers = buffers
         self._comm: torch.cuda.Stream | None = None  # made on the first CUDA exchange
 
     # -- exchanges, kept for activation-checkpointing replay (dispatch/replay.py) -------------
@@ -143,6 +163,8 @@ class AllToAllDispatcher(ReplaysExchanges):
         # A token makes at most min(K, P) rows: allocate for that, not for T*K.
         send_index = ops.routing_index(rank_slots, self.ep_size, num_slots=num_tokens * min(top_k, self.ep_size),
                                        backend=self.kernels)
+        if self.buffers == "worst_case":
+            return self._start_fixed(x, experts, probs, rank_slots, send_index)
         counts = torch.stack([send_index.tokens_per_expert, slots_per_rank], dim=1)
         pending = self._plan_exchange(counts)
 
@@ -151,7 +173,30 @@ class AllToAllDispatcher(ReplaysExchanges):
         # token's slots on that rank: local expert ids and probs.
         rows = ops.gather_rows(x, send_index, backend=self.kernels)  # [T min(K, P), D]
         meta = ops.send_meta(send_index.row_slot, experts, probs, self.local_experts, backend=self.kernels)  # [., 2K]
-        return _PendingDispatch(self, rows, meta, send_index, pending, top_k)
+        return _PendingDispatch(self, top_k, launch=lambda: self._launch_exact(rows, meta, send_index, pending, top_k))
+
+    def _launch_exact(self, rows, meta, send_index, counts: _Counts, top_k: int) -> _Started:
+        send_rows, recv_rows, recv_slots = sizes = counts.wait()  # the host sync
+        if not self._replaying():
+            self._keep(sizes)
+        num_send = sum(send_rows)
+        outs, done = self._start_exchange([rows[:num_send], meta[:num_send]], send_rows, recv_rows)
+        sent = _Rows(send_index.inv, send_index.row_slot[:num_send], top_k, send_index.num_rows)
+        return _Started(outs, done, sent, send_rows, recv_rows, recv_slots)
+
+    def _start_fixed(self, x, experts, probs, rank_slots, send_index) -> _PendingDispatch:
+        """Every rank sends T rows to every rank (rank p's rows first, then tail rows that carry
+        no slot): the splits are known without asking the device, and the receiver finds its
+        rows' experts in their metadata (-1: a tail row)."""
+        num_tokens, top_k = experts.shape
+        sent = fixed_capacity(send_index, rank_slots, num_tokens, self.ep_size)
+        rows = ops.gather_rows(x, sent, backend=self.kernels)  # [P T, D]
+        meta = ops.send_meta(sent.row_slot, experts, probs, self.local_experts, backend=self.kernels)  # [P T, 2K]
+        splits = [num_tokens] * self.ep_size
+        outs, done = self._start_exchange([rows, meta], splits, splits)
+        # Worst case: every token of every rank sends all its slots here (at most E_local each).
+        worst_slots = self.ep_size * num_tokens * min(top_k, self.local_experts)
+        return _PendingDispatch(self, top_k, _Started(outs, done, sent, splits, splits, worst_slots))
 
     def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _PendingCombine:
         plan: _Plan = batch.ctx
@@ -170,29 +215,52 @@ def _arrived(outs: list[torch.Tensor], done) -> list[torch.Tensor]:
     return outs
 
 
-class _PendingDispatch:
-    """A started dispatch: its split sizes on their way to the host, its rows and metadata queued.
-    `wait()` reads the sizes (the host sync), exchanges and lays the rows out expert-major."""
+class _Started(NamedTuple):
+    """An exchange of rows and metadata under way, and what the rest of the call needs."""
 
-    def __init__(self, dispatcher: AllToAllDispatcher, rows, meta, send_index, counts: _Counts, top_k: int):
-        self.dispatcher, self.rows, self.meta, self.send_index = dispatcher, rows, meta, send_index
-        self.counts, self.top_k = counts, top_k
+    outs: list[torch.Tensor]  # [R, D] rows, [R, 2K] metadata (valid once `done`)
+    done: Any  # a CUDA event, or None: finished
+    sent: _Rows  # token slots -> send rows
+    send_rows: list[int]
+    recv_rows: list[int]
+    num_slots: int  # slots the received rows may carry: expert-major rows are allocated for them
+
+
+class _PendingDispatch:
+    """A started dispatch. Exact buffers: its split sizes on their way to the host, its rows queued
+    (`launch`: the host sync, then the exchange); worst-case buffers: the exchange under way.
+    `wait()` makes the rows usable and lays them out expert-major."""
+
+    def __init__(self, dispatcher: AllToAllDispatcher, top_k: int, started: _Started | None = None, launch=None):
+        self.dispatcher, self.top_k, self.started, self.launch = dispatcher, top_k, started, launch
 
     def wait(self) -> ExpertBatch:
         d, top_k = self.dispatcher, self.top_k
-        send_rows, recv_rows, recv_slots = sizes = self.counts.wait()  # the host sync
-        if not d._replaying():
-            d._keep(sizes)
-        num_send = sum(send_rows)
-        outs, done = d._start_exchange([self.rows[:num_send], self.meta[:num_send]], send_rows, recv_rows)
-        recv, recv_meta = _arrived(outs, done)  # [R, D], [R, 2K]
+        s = self.started if self.started is not None else self.launch()
+        recv, recv_meta = _arrived(s.outs, s.done)  # [R, D], [R, 2K]
         local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
         batch, local_index = expert_major(recv, local_ids, local_probs, d.local_experts, d.align, d.kernels,
-                                          num_slots=recv_slots)
-        index = self.send_index
-        sent = _Rows(index.inv, index.row_slot[:num_send], top_k, index.num_rows)
-        batch.ctx = _Plan(sent, local_index, send_rows, recv_rows)
+                                          num_slots=s.num_slots)
+        batch.ctx = _Plan(s.sent, local_index, s.send_rows, s.recv_rows)
         return batch
+
+
+def fixed_capacity(send_index, rank_slots: torch.Tensor, num_tokens: int, ep_size: int) -> _Rows:
+    """The send rows of `send_index` (grouped by rank, rank p's n_p rows from start_p) moved to fixed
+    places: rank p's i-th row to p T + i; rows n_p <= i < T of each rank are tail rows (slot -1).
+    rank_slots [T, K]: rank of each token's first slot on it, -1 elsewhere. Device ops only."""
+    counts = send_index.tokens_per_expert  # [P] rows to each rank
+    starts = send_index.offsets.long() - counts  # [P]
+    rank = rank_slots.long().clamp_min(0)
+    inv = torch.where(send_index.inv >= 0, send_index.inv - starts[rank] + rank * num_tokens, -1)
+    j = torch.arange(ep_size * num_tokens, device=rank_slots.device)
+    p, i = j // num_tokens, j % num_tokens
+    compact = send_index.row_slot
+    if compact.numel() == 0:
+        row_slot = torch.full_like(j, -1)
+    else:
+        row_slot = torch.where(i < counts[p], compact[(starts[p] + i).clamp_max(compact.numel() - 1)], -1)
+    return _Rows(inv, row_slot, rank_slots.shape[1], send_index.num_rows)
 
 
 class _PendingCombine:

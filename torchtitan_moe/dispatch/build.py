@@ -62,6 +62,7 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
         from torchtitan_moe.dispatch.deepep_backend import DeepEPV1
 
         backend = DeepEPV1(group, choice.settings, shape.hidden)
+    buffers = job_config.dispatch.buffers
     for moe in moes:
         if choice.backend == "local":
             moe.set_dispatcher(moe.local_dispatcher(device))
@@ -69,6 +70,6 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
         kernels, align = moe.dispatch_settings(device)
         shard_experts(moe, ep_mesh)
         if choice.backend == "all_to_all":
-            moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels))
+            moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels, buffers=buffers))
         else:
-            moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels))
+            moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels, buffers=buffers))

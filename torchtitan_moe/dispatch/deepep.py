@@ -14,6 +14,11 @@ DeepEP's kernels run on its communication stream after the work queued so far (i
 `previous_event`, `async_finish`, `allocate_on_comm_stream`); `wait()` makes the current stream
 wait for their end. What a call needs later travels in its handle and its ExpertBatch's ctx.
 
+Worst-case buffers (`buffers = "worst_case"`): DeepEP's `num_worst_tokens` = P T (every token of
+every rank; the same T on every rank) skips its host sync and returns P T rows, those past the
+received ones undefined with experts -1; the expert-major rows are then allocated for P T min(K,
+E/P) slots. The memory it costs is the all-to-all dispatcher's (dispatch/all_to_all.py).
+
 DeepEP's combine is a plain sum (fp32, in rank order, rounded to bf16): the probabilities were
 applied in swiglu_prob. Backward: dispatch's is a DeepEP combine (of the rows' and the probs'
 gradients), combine's a DeepEP dispatch with the cached handle. Under activation
@@ -29,7 +34,7 @@ import torch
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch.deepep_backend import MAX_LOCAL_EXPERTS, MAX_TOP_K, DeepEPBackend, Dispatched, Handle
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
+from torchtitan_moe.seam import BUFFERS, ExpertBatch, Routing, expert_major
 
 
 class _Dispatch(torch.autograd.Function):
@@ -84,7 +89,8 @@ class DeepEPDispatcher(ReplaysExchanges):
     """Experts [r E/P, (r+1) E/P) live on EP rank r, as with the all-to-all dispatcher. `backend`
     (a DeepEPV1 or any DeepEPBackend) is shared by the layers: one buffer, one frozen setting."""
 
-    def __init__(self, num_experts: int, backend: DeepEPBackend, align: int = 1, kernels: str = "torch"):
+    def __init__(self, num_experts: int, backend: DeepEPBackend, align: int = 1, kernels: str = "torch",
+                 buffers: str = "exact"):
         super().__init__()
         self.backend = backend
         self.ep_size = backend.num_ranks
@@ -94,8 +100,11 @@ class DeepEPDispatcher(ReplaysExchanges):
         self.local_experts = num_experts // self.ep_size
         if self.local_experts > MAX_LOCAL_EXPERTS:
             raise ValueError(f"DeepEP: {self.local_experts} experts per EP rank; it takes at most {MAX_LOCAL_EXPERTS}")
+        if buffers not in BUFFERS:
+            raise ValueError(f"buffers = {buffers!r}: expected one of {', '.join(map(repr, BUFFERS))}")
         self.align = align
         self.kernels = kernels
+        self.buffers = buffers
 
     def start_dispatch(self, x: torch.Tensor, routing: Routing) -> _PendingDispatch:
         if x.dtype != torch.bfloat16:
@@ -122,8 +131,11 @@ class DeepEPDispatcher(ReplaysExchanges):
             d = self._replayed()
         else:
             self._first_exchange()
+            # Worst case: every token of every rank comes here (equal T on every rank, as in training).
+            worst = self.ep_size * x.shape[0] if self.buffers == "worst_case" else 0
             with torch.no_grad():
-                d = self.backend.dispatch(x.detach(), routing.experts, routing.probs.detach(), self.num_experts)
+                d = self.backend.dispatch(x.detach(), routing.experts, routing.probs.detach(), self.num_experts,
+                                          num_worst_tokens=worst)
             self._keep(d)
         recv_x, recv_probs = _Dispatch.apply(x, routing.probs, self.backend, d.handle,
                                              [d.x.detach(), d.probs.detach()], self._kept)
@@ -151,8 +163,12 @@ class _PendingDispatch:
     def wait(self) -> ExpertBatch:
         p, d = self.dispatcher, self.d
         _arrived(d.done)
+        if p.buffers == "worst_case":  # every received row may carry min(K, E_local) slots of this rank
+            num_slots = self.recv_x.shape[0] * min(d.experts.shape[1], p.local_experts)
+        else:
+            num_slots = sum(d.tokens_per_expert)
         batch, local_index = expert_major(self.recv_x, d.experts, self.recv_probs, p.local_experts, p.align,
-                                          p.kernels, num_slots=sum(d.tokens_per_expert))
+                                          p.kernels, num_slots=num_slots)
         batch.ctx = _Plan(local_index, d.handle)
         return batch
 

@@ -5,6 +5,8 @@
         experts [R, K]       local expert id of each slot, -1 where the slot is another rank's
         probs [R, K] fp32    the slots' probabilities, 0 where the slot is another rank's
         tokens_per_expert    [E_local] Python ints (DeepEP's host sync: the CPU waits for them)
+    backend.dispatch(..., num_worst_tokens=W): no host sync; x [W, D], experts [W, K], probs [W, K],
+        the rows past those received undefined (their experts -1), tokens_per_expert []
         handle               the layout, reused by the next two calls
     backend.dispatch_again(x [T, D], handle) -> [R, D]          same rows, no layout, no host sync
     backend.combine(x [R, D], handle, probs [R, K]?) -> ([T, D], [T, K]?)   plain sums over ranks
@@ -93,7 +95,7 @@ class Dispatched(NamedTuple):
     x: torch.Tensor  # [R, D]
     experts: torch.Tensor  # [R, K] int64 local expert ids, -1 elsewhere
     probs: torch.Tensor  # [R, K] fp32, 0 elsewhere
-    tokens_per_expert: list[int]  # [E_local]
+    tokens_per_expert: list[int]  # [E_local]; [] under num_worst_tokens
     handle: Handle
     done: Any = None  # the kernels' end (deep_ep.EventOverlap): `done.current_stream_wait()` before reading
 
@@ -102,7 +104,8 @@ class DeepEPBackend(Protocol):
     settings: DeepEPSettings
     num_ranks: int
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int) -> Dispatched: ...
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int,
+                 num_worst_tokens: int = 0) -> Dispatched: ...
 
     def dispatch_again(self, x: torch.Tensor, handle: Handle) -> torch.Tensor: ...
 
@@ -227,15 +230,16 @@ class DeepEPV1:
         # Looked up per call: a later DeepEPV1 on the group may have needed a larger buffer.
         return buffer_for(self.group, self.num_bytes, self.deep_ep)
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int) -> Dispatched:
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int,
+                 num_worst_tokens: int = 0) -> Dispatched:
         buffer, topk = self.buffer, experts.to(self.deep_ep.topk_idx_t).contiguous()
         on_comm = dict(async_finish=True, allocate_on_comm_stream=True)
         per_rank, _, per_expert, in_rank, laid_out = buffer.get_dispatch_layout(
             topk, num_experts, previous_event=buffer.capture(), **on_comm)
         recv_x, recv_experts, recv_probs, counts, raw, done = buffer.dispatch(
             x.contiguous(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk, topk_weights=probs.float().contiguous(), config=self.dispatch_config,
-            previous_event=laid_out, **on_comm)
+            topk_idx=topk, topk_weights=probs.float().contiguous(), num_worst_tokens=num_worst_tokens,
+            config=self.dispatch_config, previous_event=laid_out, **on_comm)
         return Dispatched(recv_x, recv_experts, recv_probs, counts,
                           Handle(raw, self.dispatch_config, self.combine_config), done)
 

@@ -15,7 +15,11 @@ csrc/deep_ep.cpp, csrc/kernels/intranode.cu at that commit):
     none: `current_stream_wait` on it fails as the real assert does) and `allocate_on_comm_stream`
     (only with a previous event and async_finish, as csrc/deep_ep.cpp asserts); the work itself
     is done by the time the call returns (the CPU has one stream).
-Not faked: FP8, internode, low-latency mode, num_worst_tokens, bias.
+  - num_worst_tokens (no host sync): W received rows, those past the real ones undefined (NaN rows
+    and weights here, so that a read of one shows), their top-k ids -1, no per-expert counts; a
+    cached dispatch with such a handle returns W rows too. More real rows than W is an error here
+    (the real kernels would write past their buffers).
+Not faked: FP8, internode, low-latency mode, bias.
 """
 
 from __future__ import annotations
@@ -79,6 +83,11 @@ def _channel_of(num_tokens: int, num_channels: int) -> torch.Tensor:
     """[T] channel of each token: channels take ceil(T / C) consecutive tokens (get_channel_task_range)."""
     per = -(-num_tokens // num_channels) if num_tokens else 1
     return torch.arange(num_tokens) // per
+
+
+def _undefined_tail(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with NaN rows appended up to `rows` (memory the real kernels never write)."""
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), float("nan"))])
 
 
 class Buffer:
@@ -175,7 +184,6 @@ class Buffer:
                  config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
         config = self.get_dispatch_config(self.group_size) if config is None else config
         assert not isinstance(x, tuple), "fake deep_ep: no FP8"
-        assert num_worst_tokens == 0, "fake deep_ep: no num_worst_tokens"
         event = _on_comm_stream(previous_event, async_finish, allocate_on_comm_stream)
         channels, P = self._channels(config), self.group_size
         self._check_rows(x)
@@ -186,6 +194,7 @@ class Buffer:
             assert tuple(channel_prefix_matrix.shape) == (P, channels), "cached channel_prefix_matrix vs num_sms / 2"
             assert is_token_in_rank.shape == (T, P)
             recv_x = torch.cat(self._all_to_all([x[is_token_in_rank[:, r]] for r in range(P)]))
+            recv_x = _undefined_tail(recv_x, recv_src_idx.shape[0])  # W rows if made with num_worst_tokens
             assert recv_x.shape[0] == recv_src_idx.shape[0]
             return recv_x, None, None, None, None, event
 
@@ -220,6 +229,8 @@ class Buffer:
                 weights.append(torch.where(mine, topk_weights[sel], 0.0))
             else:
                 meta.append(token[sel, None])
+        if num_worst_tokens > 0:
+            assert K, "num_worst_tokens: must be forward with top-k stuffs"
         recv_x = torch.cat(self._all_to_all(rows))
         recv_meta = torch.cat(self._all_to_all(meta))
         recv_src_idx = recv_meta[:, 0].int()
@@ -228,8 +239,16 @@ class Buffer:
         if K:
             recv_topk_idx = recv_meta[:, 1:].contiguous()
             recv_topk_weights = torch.cat(self._all_to_all(weights)).contiguous()
-            counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=local).tolist()
-            num_recv_tokens_per_expert_list = [-(-c // expert_alignment) * expert_alignment for c in counts]
+            if num_worst_tokens == 0:  # the host sync
+                counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=local).tolist()
+                num_recv_tokens_per_expert_list = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        if num_worst_tokens > 0:
+            assert recv_x.shape[0] <= num_worst_tokens, "fake deep_ep: more rows received than num_worst_tokens"
+            recv_x = _undefined_tail(recv_x, num_worst_tokens)
+            recv_topk_weights = _undefined_tail(recv_topk_weights, num_worst_tokens)
+            recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full(
+                (num_worst_tokens - recv_topk_idx.shape[0], K), -1)])
+            recv_src_idx = torch.cat([recv_src_idx, recv_src_idx.new_zeros(num_worst_tokens - recv_src_idx.shape[0])])
 
         # The handle, shaped as the real one: rank prefix [P, P] (source-major cumulative counts),
         # channel prefix [P, C] (tokens to each rank up to each channel), the received channels'

@@ -211,3 +211,26 @@ def test_fixed_capacity_places_each_ranks_rows_at_its_block():
             row = int(sent.inv[t, k])
             assert row == -1 or sent.row_slot[row] == flat(t, k)
     assert (sent.inv >= 0).sum() == (sent.row_slot >= 0).sum()
+
+
+def leftover_worker(rank: int, world: int, port: int, failures):
+    with rank_group(rank, world, port, failures):
+        torch.manual_seed(100 + rank)
+        x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
+        for buffers in ("exact", "worst_case"):
+            layer = make_layer("none", False)
+            mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+            for name in ("w13", "w2"):
+                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).detach()[mine].clone()))
+            layer.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD, buffers=buffers))
+            expected = forward_backward(layer, x, grad)
+            layer.zero_grad(set_to_none=True)
+            layer.dispatcher.keep_exchanges = True
+            layer(x.flip(1))  # a forward with gradients, no backward (a probe): its kept exchanges are left over
+            got = forward_backward(layer, x, grad, use_checkpoint=True)
+            for name, a, b in zip(("out", "grad x", "grad gate"), got, expected):
+                assert torch.equal(a, b), f"{buffers}: {name} after a forward without backward"
+
+
+def test_a_forward_without_backward_leaves_nothing_for_the_next_recompute():
+    run_ranks(leftover_worker, 2)

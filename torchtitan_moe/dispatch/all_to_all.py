@@ -189,6 +189,8 @@ class AllToAllDispatcher(ReplaysExchanges):
         no slot): the splits are known without asking the device, and the receiver finds its
         rows' experts in their metadata (-1: a tail row)."""
         num_tokens, top_k = experts.shape
+        if not self._replaying():
+            self._first_exchange()
         sent = fixed_capacity(send_index, rank_slots, num_tokens, self.ep_size)
         rows = ops.gather_rows(x, sent, backend=self.kernels)  # [P T, D]
         meta = ops.send_meta(sent.row_slot, experts, probs, self.local_experts, backend=self.kernels)  # [P T, 2K]

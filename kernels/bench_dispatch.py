@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch import tuned
+from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.exchange import exchange

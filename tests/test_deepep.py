@@ -272,7 +272,7 @@ def test_deepep_without_deep_ep_stops_training_with_one_line(tmp_path):
 @pytest.mark.slow
 @cpu_only
 def test_tune_dispatch_writes_an_entry_that_auto_reads_and_the_bench_runs(tmp_path, monkeypatch):
-    from torchtitan_moe.dispatch import tuned
+    from torchtitan_moe.parallel import tuned
 
     env = with_fake_on_path(monkeypatch)
     out = tmp_path / "dispatch.json"

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_moe.config import ConfigError
-from torchtitan_moe.dispatch import tuned
+from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (

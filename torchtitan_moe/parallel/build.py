@@ -2,7 +2,7 @@
 
 Under expert parallelism the experts' weights are also split here, on the expert dim over
 the `ep` mesh (rank r of EP holds experts [r E/EP, (r+1) E/EP)), before FSDP2 shards them
-further over `efsdp`. Which dispatcher, and why, is decided once (dispatch/choose.py) and
+further over `efsdp`. Which dispatcher, and why, is decided once (parallel/choose.py) and
 logged; the DeepEP layers share one backend: one buffer, one frozen setting.
 """
 
@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.dispatch.choose import choose_dispatcher
-from torchtitan_moe.dispatch.tuned import Shape
+from torchtitan_moe.parallel.choose import choose_dispatcher
+from torchtitan_moe.parallel.tuned import Shape
 from torchtitan_moe.moe.layer import MoE
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ torchtitan sends one row per (token, expert) instead: up to top_k copies of a to
     start_combine  y [N, D] ─combine─► per (token, source rank) [R, D] ─all_to_all─► [S, D]
       .wait() ─combine─► out [T, D]
 
-On CUDA (eager) the exchanges run on the dispatcher's communication stream: `start_*` queues
+On CUDA (eager) the exchanges run on a communication stream (one per device): `start_*` queues
 them there and returns, `wait()` makes the current stream wait for their end (an event). On
 CPU/gloo and under torch.compile they run where they are called (the custom op of exchange.py).
 What a call needs later travels in its handle and its ExpertBatch's ctx, not in the dispatcher.
@@ -112,7 +112,6 @@ class AllToAllDispatcher(ReplaysExchanges):
         self.align = align
         self.kernels = kernels
         self.buffers = buffers
-        self._comm: torch.cuda.Stream | None = None  # made on the first CUDA exchange
 
     # -- exchanges, kept for activation-checkpointing replay (dispatch/replay.py) -------------
 
@@ -136,21 +135,19 @@ class AllToAllDispatcher(ReplaysExchanges):
     # -- the communication stream (CUDA, eager) ----------------------------------------------
 
     def _start_exchange(self, xs: list[torch.Tensor], send: list[int], recv: list[int]):
-        """-> (outs, done). On CUDA outside torch.compile the exchange runs on this dispatcher's
-        communication stream after the work queued so far, and `done` marks its end; elsewhere
-        (CPU/gloo, compiled) it runs where it is called and `done` is None."""
+        """-> (outs, done). On CUDA outside torch.compile the exchange runs on the device's
+        communication stream (one for all layers) after the work queued so far, and `done` marks
+        its end; elsewhere (CPU/gloo, compiled) it runs where it is called and `done` is None."""
         if not xs[0].is_cuda or torch.compiler.is_compiling():
             return self._exchange(xs, send, recv), None
-        compute = torch.cuda.current_stream(xs[0].device)
-        if self._comm is None:
-            self._comm = torch.cuda.Stream(xs[0].device)
-        self._comm.wait_stream(compute)
-        with torch.cuda.stream(self._comm):
+        comm = _comm_stream(xs[0].device)
+        comm.wait_stream(torch.cuda.current_stream(xs[0].device))
+        with torch.cuda.stream(comm):
             outs = self._exchange(xs, send, recv)
         for x in xs:  # the caller may free them on the compute stream while the exchange reads
-            x.record_stream(self._comm)
+            x.record_stream(comm)
         done = torch.cuda.Event()
-        done.record(self._comm)
+        done.record(comm)
         return outs, done
 
     # -- the dispatcher seam ------------------------------------------------------------------
@@ -205,6 +202,16 @@ class AllToAllDispatcher(ReplaysExchanges):
         per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts
         (back,), done = self._start_exchange([per_row], plan.recv_rows, plan.send_rows)  # [S, D]
         return _PendingCombine(back, done, plan.send_index, self.kernels)
+
+
+_COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _comm_stream(device: torch.device) -> torch.cuda.Stream:
+    """The all-to-all dispatchers' communication stream on `device`, made on first use."""
+    if device not in _COMM_STREAMS:
+        _COMM_STREAMS[device] = torch.cuda.Stream(device)
+    return _COMM_STREAMS[device]
 
 
 def _arrived(outs: list[torch.Tensor], done) -> list[torch.Tensor]:

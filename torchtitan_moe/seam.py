@@ -12,7 +12,9 @@ sits above both (parallelization). Every dispatcher fills the same `ExpertBatch`
 The calls are staged: `start_*` queues the work (on CUDA, communication may run on its own
 stream) and returns a handle; `wait()` makes the result usable on the current stream. What a
 call keeps for its combine and its backward travels in the handle and the batch, not in the
-dispatcher: a dispatcher serves any number of calls in flight. `LocalDispatcher` (EP = 1) is
+dispatcher. Not yet the exchanges kept for an activation-checkpointing recompute: those are
+still replayed in call order from the dispatcher (dispatch/replay.py), which holds as long as
+a recompute makes the same calls in the same order. `LocalDispatcher` (EP = 1) is
 the seam's own: a sort on this rank, the default of a layer used on its own.
 """
 

@@ -33,12 +33,10 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch import tuned
+from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.dispatch.base import ExpertBatch, slots_to_rows
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.exchange import exchange
-from torchtitan_moe.dispatch.local import LocalDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
     EP_SIZES,
     DeepEPUnavailable,
@@ -48,7 +46,8 @@ from torchtitan_moe.dispatch.deepep_backend import (
     release_buffers,
 )
 from torchtitan_moe.moe import MoE, MoEArgs
-from torchtitan_moe.moe.router import Routing, count_tokens
+from torchtitan_moe.moe.router import count_tokens
+from torchtitan_moe.seam import Done, ExpertBatch, LocalDispatcher, Routing, slots_to_rows
 from torchtitan_moe.tune_dispatch import timed_ms
 
 
@@ -64,7 +63,7 @@ class PerExpertRowsDispatcher:
     def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         return exchange([rows], send, recv, self.group)[0]  # the gradient goes back the way it came
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> Done[ExpertBatch]:
         index = ops.routing_index(routing.experts, self.num_experts, backend=self.kernels)  # rows by expert = by rank
         counts = index.tokens_per_expert.view(self.ep_size, self.local_experts).sum(1)
         recv_counts = torch.empty_like(counts)
@@ -79,14 +78,15 @@ class PerExpertRowsDispatcher:
         recv_meta = self.exchange(meta, send, recv)
         local_index = ops.routing_index(recv_meta[:, :1].long(), self.local_experts, backend=self.kernels)
         expert_rows = ops.gather_rows(recv_x, local_index, backend=self.kernels)
-        return ExpertBatch(expert_rows, slots_to_rows(recv_meta[:, 1:], local_index.inv, expert_rows.shape[0]),
-                           local_index.offsets, local_index.num_rows, local_index.tokens_per_expert,
-                           ctx=SimpleNamespace(index=index, local_index=local_index, send_rows=send, recv_rows=recv))
+        return Done(ExpertBatch(
+            expert_rows, slots_to_rows(recv_meta[:, 1:], local_index.inv, expert_rows.shape[0]),
+            local_index.offsets, local_index.num_rows, local_index.tokens_per_expert,
+            ctx=SimpleNamespace(index=index, local_index=local_index, send_rows=send, recv_rows=recv)))
 
-    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Done[torch.Tensor]:
         c = batch.ctx
         back = self.exchange(ops.combine(y, c.local_index, backend=self.kernels), c.recv_rows, c.send_rows)
-        return ops.combine(back, c.index, backend=self.kernels)
+        return Done(ops.combine(back, c.index, backend=self.kernels))
 
 
 def random_routing(tokens: int, num_experts: int, top_k: int, device) -> Routing:
@@ -122,8 +122,8 @@ def bench_ep(ep: int, args, device) -> dict:
     def layer_path(dispatcher):
         def step():
             xg = x.detach().requires_grad_()
-            b = dispatcher.dispatch(xg, routing)
-            out = dispatcher.combine(b.x, b)
+            b = dispatcher.start_dispatch(xg, routing).wait()
+            out = dispatcher.start_combine(b.x, b).wait()
             out.backward(torch.ones_like(out))
 
         return step
@@ -133,7 +133,7 @@ def bench_ep(ep: int, args, device) -> dict:
         ("per_rank", AllToAllDispatcher(args.experts, group, kernels=args.kernels)),
         ("per_expert", PerExpertRowsDispatcher(args.experts, group, args.kernels)),
     ):
-        plan = dispatcher.dispatch(x, routing).ctx
+        plan = dispatcher.start_dispatch(x, routing).wait().ctx
         send_rows, recv_rows = plan.send_rows, plan.recv_rows
         rows = torch.randn(sum(send_rows), args.dim, device=device, dtype=args.dtype)
         recv = torch.empty(sum(recv_rows), args.dim, device=device, dtype=args.dtype)

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from host_reads import HostReads
 from numerics import assert_close_to_max
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -40,7 +41,7 @@ def count_exchanges(monkeypatch_target: list) -> None:
 
 
 def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, kernels,
-           failures):
+           buffers, failures):
     with rank_group(rank, world, port, failures):
         torch.manual_seed(100 + rank)  # different tokens on every rank
         x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
@@ -57,7 +58,8 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
         ep.experts.w13 = torch.nn.Parameter(ep.experts.w13.detach()[mine].clone())
         ep.experts.w2 = torch.nn.Parameter(ep.experts.w2.detach()[mine].clone())
-        dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels=kernels)
+        dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels=kernels,
+                                        buffers=buffers)
         dispatcher.keep_exchanges = use_checkpoint
         ep.set_dispatcher(dispatcher)
         calls: list = []
@@ -71,9 +73,10 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
                 assert not got.any(), f"rank {rank}: {name} is not zero"
                 continue
             assert_close_to_max(got, expected, 1e-5, f"rank {rank}: {name}")
-        # Forward: counts, rows, meta, the way back; backward: rows, meta, the way back.
-        # A checkpointed recompute replays its exchanges instead of repeating them.
-        assert len(calls) == 7, f"{len(calls)} all-to-all calls"
+        # Forward: counts (exact buffers only), rows, meta, the way back; backward: rows, meta, the
+        # way back. A checkpointed recompute replays its exchanges instead of repeating them.
+        expected_calls = 7 if buffers == "exact" else 6
+        assert len(calls) == expected_calls, f"{len(calls)} all-to-all calls"
         assert not dispatcher._kept
 
 
@@ -89,7 +92,21 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
     ],
 )
 def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint, compiler):
-    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler, "torch")
+    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler, "torch", "exact")
+
+
+@pytest.mark.parametrize(
+    "world, padding, zero_gate, use_checkpoint, compiler",
+    [
+        (2, "always", False, False, None),
+        (4, "none", True, False, None),  # ranks 1-3 receive only tail rows
+        (2, "none", False, True, None),  # activation checkpointing replays the fixed-size exchanges
+        pytest.param(2, "always", False, False, "inductor", marks=pytest.mark.slow),
+    ],
+)
+def test_worst_case_buffers_match_local_dispatcher(world, padding, zero_gate, use_checkpoint, compiler):
+    # Fixed-capacity exchange, expert-major rows for the worst case: no split size reaches the host.
+    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler, "torch", "worst_case")
 
 
 interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors need the "
@@ -97,11 +114,11 @@ interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton 
 
 
 @interpreter_only
-@pytest.mark.parametrize("world", [2, 4])
-def test_all_to_all_with_triton_kernels_matches_local_dispatcher(world):
+@pytest.mark.parametrize("world, buffers", [(2, "exact"), (4, "exact"), (2, "worst_case")])
+def test_all_to_all_with_triton_kernels_matches_local_dispatcher(world, buffers):
     # The Triton kernels (send_plan, send_meta, routing_index, gather, combine): compiled on a GPU,
     # under the interpreter on CPU (tests/ops covers P and experts per rank that are no powers of 2).
-    run_ranks(worker, world, "always", False, False, None, "triton")
+    run_ranks(worker, world, "always", False, False, None, "triton", buffers)
 
 
 class HostOps(TorchDispatchMode):
@@ -127,8 +144,8 @@ def host_ops_worker(rank: int, world: int, port: int, failures):
         routing = layer.router(x)
         dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=8, kernels="triton")
         with HostOps() as ops:
-            batch = dispatcher.dispatch(x, routing)
-            dispatcher.combine(batch.x, batch)
+            batch = dispatcher.start_dispatch(x, routing).wait()
+            dispatcher.start_combine(batch.x, batch).wait()
         # 21 on torch 2.13 (send_plan and send_meta); the torch ops they replaced made it 46.
         assert ops.count <= 24, f"{ops.count} host ops in dispatch + combine"
 
@@ -138,3 +155,82 @@ def test_dispatch_and_combine_issue_few_host_ops():
     # The forward dispatch runs on the host path between the router and the experts' GEMMs, with
     # a host sync in it: every op there is a launch the GPU may wait for.
     run_ranks(host_ops_worker, 1)
+
+
+class HostSyncs(HostReads):
+    """HostReads, plus `Tensor.tolist()` (a host sync that does not dispatch)."""
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: (setattr(self, "count", self.count + 1), self._tolist(t))[1]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+
+def host_syncs_worker(rank: int, world: int, port: int, failures):
+    with rank_group(rank, world, port, failures):
+        torch.manual_seed(100 + rank)
+        for buffers, expected in (("exact", 1), ("worst_case", 0)):
+            layer = make_layer("always", False)
+            x = torch.randn(16, DIM)
+            routing = layer.router(x)
+            dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=8, buffers=buffers)
+            with HostSyncs() as syncs:
+                batch = dispatcher.start_dispatch(x.requires_grad_(), routing).wait()
+                out = dispatcher.start_combine(batch.x * 1.0, batch).wait()
+                out.sum().backward()
+            # Exact buffers: the split sizes (one read per layer); worst case: none, forward and backward.
+            assert syncs.count == expected, f"{buffers}: {syncs.count} host syncs in dispatch + combine"
+
+
+def test_worst_case_buffers_read_nothing_back_to_the_host():
+    run_ranks(host_syncs_worker, 2)
+
+
+def test_fixed_capacity_places_each_ranks_rows_at_its_block():
+    # 4 ranks of 2 experts, top-2: token 0 on ranks 0 and 3, token 1 on rank 1 only, token 2 on ranks 0 and 1.
+    from torchtitan_moe import ops
+    from torchtitan_moe.dispatch.all_to_all import fixed_capacity
+
+    experts = torch.tensor([[0, 7], [2, 3], [1, 2]])
+    num_tokens, top_k, ep = 3, 2, 4
+    rank_slots, _ = ops.send_plan(experts, 2, ep, backend="torch")
+    send_index = ops.routing_index(rank_slots, ep, num_slots=num_tokens * top_k, backend="torch")
+    sent = fixed_capacity(send_index, rank_slots, num_tokens, ep)
+    flat = lambda t, k: t * top_k + k  # noqa: E731
+    expected = [flat(0, 0), flat(2, 0), -1,  # rank 0: tokens 0, 2
+                flat(1, 0), flat(2, 1), -1,  # rank 1: tokens 1, 2
+                -1, -1, -1,  # rank 2: none
+                flat(0, 1), -1, -1]  # rank 3: token 0
+    assert sent.row_slot.tolist() == expected
+    for t in range(num_tokens):
+        for k in range(top_k):
+            row = int(sent.inv[t, k])
+            assert row == -1 or sent.row_slot[row] == flat(t, k)
+    assert (sent.inv >= 0).sum() == (sent.row_slot >= 0).sum()
+
+
+def leftover_worker(rank: int, world: int, port: int, failures):
+    with rank_group(rank, world, port, failures):
+        torch.manual_seed(100 + rank)
+        x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
+        for buffers in ("exact", "worst_case"):
+            layer = make_layer("none", False)
+            mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+            for name in ("w13", "w2"):
+                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).detach()[mine].clone()))
+            layer.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD, buffers=buffers))
+            expected = forward_backward(layer, x, grad)
+            layer.zero_grad(set_to_none=True)
+            layer.dispatcher.keep_exchanges = True
+            layer(x.flip(1))  # a forward with gradients, no backward (a probe): its kept exchanges are left over
+            got = forward_backward(layer, x, grad, use_checkpoint=True)
+            for name, a, b in zip(("out", "grad x", "grad gate"), got, expected):
+                assert torch.equal(a, b), f"{buffers}: {name} after a forward without backward"
+
+
+def test_a_forward_without_backward_leaves_nothing_for_the_next_recompute():
+    run_ranks(leftover_worker, 2)

@@ -66,13 +66,21 @@ def forward_backward(layer: MoE, x: torch.Tensor, grad: torch.Tensor, use_checkp
 
 def count_calls(backend) -> Counter:
     calls: Counter = Counter()
-    for name in ("dispatch", "dispatch_again", "combine"):
+    for name in ("dispatch", "dispatch_again", "combine", "start_combine"):
         def counted(*args, _method=getattr(backend, name), _name=name, **kwargs):
             calls[_name] += 1
             return _method(*args, **kwargs)
 
         setattr(backend, name, counted)
     return calls
+
+
+def count_waits() -> list:
+    """Count the waits on the fake's events (one entry per wait)."""
+    handle = sys.modules["deep_ep"].EventHandle
+    waits: list = []
+    handle.current_stream_wait = lambda self: waits.append(1)
+    return waits
 
 
 def assert_close(actual, expected, what):
@@ -95,14 +103,15 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
     a2a_layer.set_dispatcher(a2a)
     deepep_layer = make_layer(padding, zero_gate, rank, world, device)
     backend = DeepEPV1(group, default_settings(world), DIM)
-    deepep = DeepEPDispatcher(EXPERTS, backend, align=kernels_align, kernels=kernels)
+    buffers = "worst_case" if case.startswith("worst_case") else "exact"
+    deepep = DeepEPDispatcher(EXPERTS, backend, align=kernels_align, kernels=kernels, buffers=buffers)
     deepep_layer.set_dispatcher(deepep)
 
     # The ExpertBatch, row for row: same rows in the same order (pure data movement).
     tokens = x.reshape(-1, DIM)
     with torch.no_grad():
         routing = a2a_layer.router(tokens)
-        expected, batch = a2a.dispatch(tokens, routing), deepep.dispatch(tokens, routing)
+        expected, batch = a2a.start_dispatch(tokens, routing).wait(), deepep.start_dispatch(tokens, routing).wait()
     n = int(expected.num_rows)
     assert int(batch.num_rows) == n
     for field in ("offsets", "tokens_per_expert"):
@@ -116,13 +125,16 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
     # The layer, forward and backward.
     reference = forward_backward(a2a_layer, x, grad)
     calls = count_calls(backend)
-    deepep.keep_exchanges = case == "checkpoint"
-    result = forward_backward(deepep_layer, x, grad, use_checkpoint=case == "checkpoint")
+    deepep.keep_exchanges = case.endswith("checkpoint")
+    waits = count_waits() if "deep_ep" in sys.modules and hasattr(sys.modules["deep_ep"], "EventHandle") else None
+    result = forward_backward(deepep_layer, x, grad, use_checkpoint=case.endswith("checkpoint"))
     for what, a, b in zip(("out", "x.grad", "gate.grad", "w13.grad", "w2.grad"), result, reference):
         assert_close(a, b, what)
-    # Forward: dispatch, combine; backward: dispatch with the handle, combine. The recompute
-    # of a checkpointed block replays both results.
-    assert calls == Counter(dispatch=1, combine=2, dispatch_again=1), calls
+    # Forward: dispatch, combine (both started on DeepEP's stream); backward: dispatch with the
+    # handle, combine. The recompute of a checkpointed block replays both results.
+    assert calls == Counter(dispatch=1, start_combine=1, combine=1, dispatch_again=1), calls
+    if waits is not None:  # the fake: the forward waited for both events (the recompute for the kept one)
+        assert waits == [1, 1] + [1] * case.endswith("checkpoint"), waits
     assert not deepep._kept
 
     # A handle keeps its configs: a backend of another num_sms combines it with them; DeepEP
@@ -180,6 +192,8 @@ def spawn(world: int, mode: str, padding: str, case: str) -> None:
         (2, "none", "random"),
         (4, "always", "zero_gate"),  # 2 of 4 ranks receive nothing; 5 of 8 experts get no tokens
         (2, "always", "checkpoint"),  # activation checkpointing replays the exchanges
+        (2, "always", "worst_case"),  # num_worst_tokens: no host sync, undefined rows past the received
+        (4, "none", "worst_case_checkpoint"),
     ],
 )
 def test_deepep_matches_all_to_all_on_fake_deep_ep(world, padding, case):
@@ -201,7 +215,8 @@ def deep_ep_is_installed() -> bool:
 @pytest.mark.skipif(torch.cuda.device_count() < 2 or not deep_ep_is_installed(), reason="needs 2 GPUs and deep_ep")
 @pytest.mark.parametrize(
     "padding, case",
-    [("none", "random"), ("always", "zero_gate"), ("always", "checkpoint")],  # zero_gate: rank 1 receives nothing
+    [("none", "random"), ("always", "zero_gate"), ("always", "checkpoint"), ("always", "worst_case"),
+     ("none", "worst_case_checkpoint")],  # zero_gate: rank 1 receives nothing
 )
 def test_deepep_matches_all_to_all_on_gpus(padding, case):
     spawn(2, "nccl", padding, case)
@@ -257,7 +272,7 @@ def test_deepep_without_deep_ep_stops_training_with_one_line(tmp_path):
 @pytest.mark.slow
 @cpu_only
 def test_tune_dispatch_writes_an_entry_that_auto_reads_and_the_bench_runs(tmp_path, monkeypatch):
-    from torchtitan_moe.dispatch import tuned
+    from torchtitan_moe.parallel import tuned
 
     env = with_fake_on_path(monkeypatch)
     out = tmp_path / "dispatch.json"

@@ -12,8 +12,8 @@ import pytest
 
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.config_loader import load_job_config
-from torchtitan_moe.dispatch import choose, tuned
-from torchtitan_moe.dispatch.choose import choose_dispatcher
+from torchtitan_moe.parallel import choose, tuned
+from torchtitan_moe.parallel.choose import choose_dispatcher
 from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings, DeepEPUnavailable, import_deep_ep
 
 from test_config import debug_with

@@ -104,7 +104,7 @@ def test_padding_gives_identical_results(align):
         assert_close_to_max(a, b, 1e-6, "grad")
     # The padded layout really was used: every group a non-empty multiple of `align`.
     tokens = x.reshape(-1, 24)
-    batch = padded_layer.dispatcher.dispatch(tokens, padded_layer.router(tokens))
+    batch = padded_layer.dispatcher.start_dispatch(tokens, padded_layer.router(tokens)).wait()
     sizes = torch.diff(batch.offsets.long(), prepend=torch.zeros(1, dtype=torch.long))
     assert batch.x.shape[0] == 22 * 2 + 8 * align
     assert ((sizes % align == 0) & (sizes >= align)).all()
@@ -142,9 +142,9 @@ def test_dispatch_moves_the_tokens_dtype_outside_autocast(monkeypatch):
     # bytes; DeepEP refuses them). Modelled here by fp32 weights and bf16 tokens.
     layer = make_layer()
     seen = []
-    dispatch = layer.local_dispatcher(torch.device("cpu")).dispatch
+    dispatch = layer.local_dispatcher(torch.device("cpu")).start_dispatch
     layer.set_dispatcher(layer.local_dispatcher(torch.device("cpu")))
-    monkeypatch.setattr(layer.dispatcher, "dispatch", lambda x, routing: seen.append(x.dtype) or dispatch(x, routing))
+    monkeypatch.setattr(layer.dispatcher, "start_dispatch", lambda x, routing: seen.append(x.dtype) or dispatch(x, routing))
     layer(torch.randn(2, 5, 24, dtype=torch.bfloat16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         layer(torch.randn(2, 5, 24))
@@ -177,3 +177,20 @@ def test_router_loss_gradient_reaches_the_gate_and_counts_once(router):
     torch.testing.assert_close(with_aux - plain.router.gate.weight.grad, layer.router.gate.weight.grad,
                                rtol=1e-4, atol=1e-7)
     assert (layer.router_loss_sums > 0).sum() == 1
+
+
+def test_moe_and_dispatch_meet_only_in_the_seam():
+    """moe/ and dispatch/ import torchtitan_moe.seam, never each other (lazily neither)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "torchtitan_moe"
+    for package, other in (("moe", "dispatch"), ("dispatch", "moe")):
+        for path in sorted((root / package).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+                for name in names:
+                    assert not name.startswith(f"torchtitan_moe.{other}"), f"{path.name} imports {name}"
+    seam = (root / "seam.py").read_text()
+    assert "torchtitan_moe.moe" not in seam and "torchtitan_moe.dispatch" not in seam

@@ -102,6 +102,10 @@ class Dispatch:
     num_sms: int = 0
     """DeepEP's SMs (even); 0: the tuned file's, else DeepEP's default (24)."""
 
+    buffers: Literal["exact", "worst_case"] = "exact"
+    """EP > 1: 'exact' sizes the received rows from their counts (one host sync per MoE layer);
+    'worst_case' for the most a rank can receive: no host sync, more memory (dispatch/all_to_all.py)."""
+
 
 @dataclass
 class Kernels:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_moe.config import ConfigError
-from torchtitan_moe.dispatch import tuned
+from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
@@ -47,7 +47,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
     release_buffers,
 )
 from torchtitan_moe.moe.layer import MoE
-from torchtitan_moe.moe.router import Routing
+from torchtitan_moe.seam import Routing
 
 NUM_SMS = (16, 24, 32, 48, 64, 96, 128)
 DISPATCH_CHUNKS = (4, 8, 16, 24, 32)
@@ -148,8 +148,8 @@ class Sweep:
     def dispatch_combine_ms(self, dispatcher, label: str) -> float:
         def step():
             xg = self.x.detach().requires_grad_()
-            batch = dispatcher.dispatch(xg, self.routing)
-            dispatcher.combine(batch.x, batch).backward(self.grad)
+            batch = dispatcher.start_dispatch(xg, self.routing).wait()
+            dispatcher.start_combine(batch.x, batch).wait().backward(self.grad)
 
         return self._time(step, label)
 

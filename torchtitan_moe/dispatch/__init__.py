@@ -1,9 +1,5 @@
-"""Dispatchers: how tokens reach their experts and come back (local, all-to-all, DeepEP).
+"""Dispatchers: how tokens reach their experts and come back (all-to-all, DeepEP; local in seam.py).
 
-`build.build_dispatchers` picks one per MoE layer from the config; import it from there.
+The seam's types (Routing, ExpertBatch, the Dispatcher protocol) live in torchtitan_moe/seam.py;
+`torchtitan_moe.parallel.build.build_dispatchers` picks one per MoE layer from the config.
 """
-
-from torchtitan_moe.dispatch.base import Dispatcher, ExpertBatch
-from torchtitan_moe.dispatch.local import LocalDispatcher
-
-__all__ = ["Dispatcher", "ExpertBatch", "LocalDispatcher"]

@@ -5,9 +5,19 @@ arrives with its slots' local expert ids (-1 for other ranks' slots) and probabi
 rows are then expanded to the experts by the shared index map, exactly as after the
 all-to-all exchange, so both fill the same ExpertBatch, row for row.
 
-    dispatch  x [T, D] bf16, experts, probs ─DeepEP layout + dispatch (one host sync)─►
-              recv [R, D], local ids [R, K], probs [R, K] ─gather_rows─► ExpertBatch [N, D]
-    combine   y [N, D] ─ops.combine─► per (token, source rank) [R, D] ─DeepEP combine─► [T, D]
+    start_dispatch  x [T, D] bf16, experts, probs ─DeepEP layout + dispatch (one host sync)─►
+      .wait()       recv [R, D], local ids [R, K], probs [R, K] ─gather_rows─► ExpertBatch [N, D]
+    start_combine   y [N, D] ─ops.combine─► per (token, source rank) [R, D] ─DeepEP combine─►
+      .wait()       [T, D]
+
+DeepEP's kernels run on its communication stream after the work queued so far (its own events:
+`previous_event`, `async_finish`, `allocate_on_comm_stream`); `wait()` makes the current stream
+wait for their end. What a call needs later travels in its handle and its ExpertBatch's ctx.
+
+Worst-case buffers (`buffers = "worst_case"`): DeepEP's `num_worst_tokens` = P T (every token of
+every rank; the same T on every rank) skips its host sync and returns P T rows, those past the
+received ones undefined with experts -1; the expert-major rows are then allocated for P T min(K,
+E/P) slots. The memory it costs is the all-to-all dispatcher's (dispatch/all_to_all.py).
 
 DeepEP's combine is a plain sum (fp32, in rank order, rounded to bf16): the probabilities were
 applied in swiglu_prob. Backward: dispatch's is a DeepEP combine (of the rows' and the probs'
@@ -17,17 +27,14 @@ checkpointing the recompute replays the kept results: no second exchange, no sec
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch, expert_major
 from torchtitan_moe.dispatch.deepep_backend import MAX_LOCAL_EXPERTS, MAX_TOP_K, DeepEPBackend, Dispatched, Handle
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-
-if TYPE_CHECKING:
-    from torchtitan_moe.moe.router import Routing
+from torchtitan_moe.seam import BUFFERS, ExpertBatch, Routing, expert_major
 
 
 class _Dispatch(torch.autograd.Function):
@@ -82,7 +89,8 @@ class DeepEPDispatcher(ReplaysExchanges):
     """Experts [r E/P, (r+1) E/P) live on EP rank r, as with the all-to-all dispatcher. `backend`
     (a DeepEPV1 or any DeepEPBackend) is shared by the layers: one buffer, one frozen setting."""
 
-    def __init__(self, num_experts: int, backend: DeepEPBackend, align: int = 1, kernels: str = "torch"):
+    def __init__(self, num_experts: int, backend: DeepEPBackend, align: int = 1, kernels: str = "torch",
+                 buffers: str = "exact"):
         super().__init__()
         self.backend = backend
         self.ep_size = backend.num_ranks
@@ -92,28 +100,28 @@ class DeepEPDispatcher(ReplaysExchanges):
         self.local_experts = num_experts // self.ep_size
         if self.local_experts > MAX_LOCAL_EXPERTS:
             raise ValueError(f"DeepEP: {self.local_experts} experts per EP rank; it takes at most {MAX_LOCAL_EXPERTS}")
+        if buffers not in BUFFERS:
+            raise ValueError(f"buffers = {buffers!r}: expected one of {', '.join(map(repr, BUFFERS))}")
         self.align = align
         self.kernels = kernels
+        self.buffers = buffers
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> ExpertBatch:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> _PendingDispatch:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: tokens must be bfloat16 (DeepEP combines bf16 rows), got {x.dtype}; "
                              "train with [training] mixed_precision_param = 'bfloat16'")
         if routing.experts.shape[1] > MAX_TOP_K:
             raise ValueError(f"DeepEP dispatcher: top_k = {routing.experts.shape[1]}; DeepEP takes at most {MAX_TOP_K}")
         recv_x, recv_probs, d = self._exchange(x, routing)
-        batch, local_index = expert_major(recv_x, d.experts, recv_probs, self.local_experts, self.align,
-                                          self.kernels, num_slots=sum(d.tokens_per_expert))
-        batch.ctx = _Plan(local_index, d.handle)
-        return batch
+        return _PendingDispatch(self, recv_x, recv_probs, d)
 
-    def combine(self, y: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _PendingCombine:
         plan: _Plan = batch.ctx
         per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts summed
         if per_row.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: expert outputs must be bfloat16 (DeepEP combines bf16 rows), got "
                              f"{per_row.dtype}; train with [training] mixed_precision_param = 'bfloat16'")
-        return self._exchange_back(per_row, plan.handle)
+        return _PendingCombine(*self._exchange_back(per_row, plan.handle))
 
     # -- the exchanges: outside torch.compile (DeepEP is opaque to it and syncs with the host) ----
 
@@ -123,19 +131,61 @@ class DeepEPDispatcher(ReplaysExchanges):
             d = self._replayed()
         else:
             self._first_exchange()
+            # Worst case: every token of every rank comes here (equal T on every rank, as in training).
+            worst = self.ep_size * x.shape[0] if self.buffers == "worst_case" else 0
             with torch.no_grad():
-                d = self.backend.dispatch(x.detach(), routing.experts, routing.probs.detach(), self.num_experts)
+                d = self.backend.dispatch(x.detach(), routing.experts, routing.probs.detach(), self.num_experts,
+                                          num_worst_tokens=worst)
             self._keep(d)
         recv_x, recv_probs = _Dispatch.apply(x, routing.probs, self.backend, d.handle,
                                              [d.x.detach(), d.probs.detach()], self._kept)
         return recv_x, recv_probs, d
 
     @torch.compiler.disable
-    def _exchange_back(self, per_row: torch.Tensor, handle: Handle) -> torch.Tensor:
+    def _exchange_back(self, per_row: torch.Tensor, handle: Handle) -> tuple[torch.Tensor, Any]:
+        done = None
         if self._replaying():
             out = self._replayed()
         else:
             with torch.no_grad():
-                out, _ = self.backend.combine(per_row.detach(), handle)
+                out, done = self.backend.start_combine(per_row.detach(), handle)
             self._keep(out)
-        return _Combine.apply(per_row, self.backend, handle, [out.detach()])
+        return _Combine.apply(per_row, self.backend, handle, [out.detach()]), done
+
+
+class _PendingDispatch:
+    """A started dispatch: DeepEP's kernels queued on its stream (`d.done`, their end).
+    `wait()` makes the current stream wait for them and lays the rows out expert-major."""
+
+    def __init__(self, dispatcher: DeepEPDispatcher, recv_x: torch.Tensor, recv_probs: torch.Tensor, d: Dispatched):
+        self.dispatcher, self.recv_x, self.recv_probs, self.d = dispatcher, recv_x, recv_probs, d
+
+    def wait(self) -> ExpertBatch:
+        p, d = self.dispatcher, self.d
+        _arrived(d.done)
+        if p.buffers == "worst_case":  # every received row may carry min(K, E_local) slots of this rank
+            num_slots = self.recv_x.shape[0] * min(d.experts.shape[1], p.local_experts)
+        else:
+            num_slots = sum(d.tokens_per_expert)
+        batch, local_index = expert_major(self.recv_x, d.experts, self.recv_probs, p.local_experts, p.align,
+                                          p.kernels, num_slots=num_slots)
+        batch.ctx = _Plan(local_index, d.handle)
+        return batch
+
+
+class _PendingCombine:
+    """A started combine: the sums over ranks on their way. `wait()`: usable on the current stream."""
+
+    def __init__(self, out: torch.Tensor, done):
+        self.out, self.done = out, done
+
+    def wait(self) -> torch.Tensor:
+        _arrived(self.done)
+        return self.out
+
+
+@torch.compiler.disable
+def _arrived(done) -> None:
+    """The current stream waits for DeepEP's kernels (done: their event; None: a replay, nothing to wait for)."""
+    if done is not None:
+        done.current_stream_wait()

@@ -5,9 +5,17 @@
         experts [R, K]       local expert id of each slot, -1 where the slot is another rank's
         probs [R, K] fp32    the slots' probabilities, 0 where the slot is another rank's
         tokens_per_expert    [E_local] Python ints (DeepEP's host sync: the CPU waits for them)
+    backend.dispatch(..., num_worst_tokens=W): no host sync; x [W, D], experts [W, K], probs [W, K],
+        the rows past those received undefined (their experts -1), tokens_per_expert []
         handle               the layout, reused by the next two calls
     backend.dispatch_again(x [T, D], handle) -> [R, D]          same rows, no layout, no host sync
     backend.combine(x [R, D], handle, probs [R, K]?) -> ([T, D], [T, K]?)   plain sums over ranks
+    backend.start_combine(x [R, D], handle) -> ([T, D], done)    the forward's combine, not waited for
+
+`dispatch` and `start_combine` run on DeepEP's communication stream after the work queued so far
+(`previous_event` = Buffer.capture(), `async_finish`, `allocate_on_comm_stream`) and return the
+event of their end (`done`): the caller makes its stream wait (`done.current_stream_wait()`) when
+it needs the results. The backward's calls (dispatch_again, combine) finish on the current stream.
 
 `DeepEPV1` implements it on `deep_ep.Buffer`, DeepEP's v1 intranode API, at DEEPEP_COMMIT.
 DeepEP 2.x's `ElasticBuffer` (dispatch with a cached `EPHandle`, combine) fits the same three
@@ -87,20 +95,24 @@ class Dispatched(NamedTuple):
     x: torch.Tensor  # [R, D]
     experts: torch.Tensor  # [R, K] int64 local expert ids, -1 elsewhere
     probs: torch.Tensor  # [R, K] fp32, 0 elsewhere
-    tokens_per_expert: list[int]  # [E_local]
+    tokens_per_expert: list[int]  # [E_local]; [] under num_worst_tokens
     handle: Handle
+    done: Any = None  # the kernels' end (deep_ep.EventOverlap): `done.current_stream_wait()` before reading
 
 
 class DeepEPBackend(Protocol):
     settings: DeepEPSettings
     num_ranks: int
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int) -> Dispatched: ...
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int,
+                 num_worst_tokens: int = 0) -> Dispatched: ...
 
     def dispatch_again(self, x: torch.Tensor, handle: Handle) -> torch.Tensor: ...
 
     def combine(self, x: torch.Tensor, handle: Handle,
                 probs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+
+    def start_combine(self, x: torch.Tensor, handle: Handle) -> tuple[torch.Tensor, Any]: ...
 
 
 # ---------------------------------------------------------------------------------------
@@ -218,14 +230,18 @@ class DeepEPV1:
         # Looked up per call: a later DeepEPV1 on the group may have needed a larger buffer.
         return buffer_for(self.group, self.num_bytes, self.deep_ep)
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int) -> Dispatched:
-        topk = experts.to(self.deep_ep.topk_idx_t).contiguous()
-        per_rank, _, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(topk, num_experts)
-        recv_x, recv_experts, recv_probs, counts, raw, _ = self.buffer.dispatch(
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_experts: int,
+                 num_worst_tokens: int = 0) -> Dispatched:
+        buffer, topk = self.buffer, experts.to(self.deep_ep.topk_idx_t).contiguous()
+        on_comm = dict(async_finish=True, allocate_on_comm_stream=True)
+        per_rank, _, per_expert, in_rank, laid_out = buffer.get_dispatch_layout(
+            topk, num_experts, previous_event=buffer.capture(), **on_comm)
+        recv_x, recv_experts, recv_probs, counts, raw, done = buffer.dispatch(
             x.contiguous(), num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk, topk_weights=probs.float().contiguous(), config=self.dispatch_config)
+            topk_idx=topk, topk_weights=probs.float().contiguous(), num_worst_tokens=num_worst_tokens,
+            config=self.dispatch_config, previous_event=laid_out, **on_comm)
         return Dispatched(recv_x, recv_experts, recv_probs, counts,
-                          Handle(raw, self.dispatch_config, self.combine_config))
+                          Handle(raw, self.dispatch_config, self.combine_config), done)
 
     def dispatch_again(self, x: torch.Tensor, handle: Handle) -> torch.Tensor:
         recv_x, *_ = self.buffer.dispatch(x.contiguous(), handle=handle.raw, config=handle.dispatch_config)
@@ -237,3 +253,9 @@ class DeepEPV1:
         out, out_probs, _ = self.buffer.combine(x.contiguous(), handle.raw, topk_weights=weights,
                                                 config=handle.combine_config)
         return out, out_probs
+
+    def start_combine(self, x: torch.Tensor, handle: Handle) -> tuple[torch.Tensor, Any]:
+        buffer = self.buffer
+        out, _, done = buffer.combine(x.contiguous(), handle.raw, config=handle.combine_config,
+                                      previous_event=buffer.capture(), async_finish=True, allocate_on_comm_stream=True)
+        return out, done

@@ -14,7 +14,7 @@ from collections import deque
 
 import torch
 
-from torchtitan_moe.moe.recompute import recomputing
+from torchtitan_moe.seam import recomputing
 
 
 class ReplaysExchanges:

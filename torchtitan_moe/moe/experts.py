@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.base import ExpertBatch
+from torchtitan_moe.seam import ExpertBatch
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

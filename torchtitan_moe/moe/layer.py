@@ -1,7 +1,10 @@
 """The MoE layer: router -> dispatcher -> grouped experts -> combine.
 
-    x [B, S, D] ─► router ─► Routing ─► dispatcher.dispatch ─► ExpertBatch ─► experts ─► y
-                                         dispatcher.combine(y) ─► out [B, S, D]
+    x [B, S, D] ─► router ─► Routing ─► dispatcher.start_dispatch ... .wait() ─► ExpertBatch ─► experts ─► y
+                                         dispatcher.start_combine(y) ... .wait() ─► out [B, S, D]
+
+The dispatcher speaks the seam (torchtitan_moe/seam.py); which one a layer gets is decided above
+this package (parallelization); a layer used on its own gets the seam's LocalDispatcher.
 
 It also keeps the per-step statistics that balancing and monitoring read:
 `tokens_per_expert` accumulates over the micro-batches of one optimizer step (the bias
@@ -20,8 +23,8 @@ from torch import nn
 from torchtitan_moe.moe.experts import GroupedExperts, autocast_dtype
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
-from torchtitan_moe.moe.recompute import recomputing
 from torchtitan_moe.moe.router_losses import BalanceLoss
+from torchtitan_moe.seam import LocalDispatcher, recomputing
 
 
 @dataclass
@@ -125,9 +128,6 @@ class MoE(nn.Module):
 
     def local_dispatcher(self, device: torch.device):
         """The EP = 1 dispatcher, also the default of a layer used on its own."""
-        # Imported here: dispatchers import the router, and this package imports this module.
-        from torchtitan_moe.dispatch.local import LocalDispatcher
-
         kernels, align = self.dispatch_settings(device)
         return LocalDispatcher(self.num_experts, align=align, kernels=kernels)
 
@@ -148,9 +148,9 @@ class MoE(nn.Module):
         # Under autocast the rows travel in its dtype, the experts' (half the bytes of fp32). Not
         # the weights' dtype: under FSDP2 they are still sharded fp32 here, unsharded in experts().
         dtype = autocast_dtype(tokens.device)
-        batch = self.dispatcher.dispatch(tokens if dtype is None else tokens.to(dtype), routing)
+        batch = self.dispatcher.start_dispatch(tokens if dtype is None else tokens.to(dtype), routing).wait()
         y = self.experts(batch)
-        out = self.dispatcher.combine(y, batch)
+        out = self.dispatcher.start_combine(y, batch).wait()
         if routing.aux_loss is not None:
             out = _AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
         return out.view(batch_size, seq_len, dim)

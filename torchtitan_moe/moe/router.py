@@ -9,13 +9,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-import torch.utils._pytree
 from torch import nn
 
 from torchtitan_moe.moe.router_losses import (
@@ -26,24 +24,7 @@ from torchtitan_moe.moe.router_losses import (
     sequence_balance_loss,
     z_loss,
 )
-
-
-@dataclass
-class Routing:
-    """What the router decided for T tokens, K experts each, E experts in all."""
-
-    probs: torch.Tensor  # [T, K] fp32: weight of each chosen expert's output
-    experts: torch.Tensor  # [T, K] int64: chosen expert ids
-    tokens_per_expert: torch.Tensor  # [E] int64: slots routed to each expert
-    scores: torch.Tensor  # [T, E] fp32: scores before top-k (for the aux loss and checks)
-    aux_loss: torch.Tensor | None  # scalar fp32: the weighted router losses the objective adds, or None
-    balance_loss: torch.Tensor | None = None  # scalar fp32: the balance loss before its coefficient
-    z_loss: torch.Tensor | None = None  # scalar fp32: the z-loss before its coefficient
-
-
-# FSDP2 hooks the router's outputs to all-gather its weights again for backward; torch 2.11
-# finds those tensors with pytree, which sees into a dataclass only once it is registered.
-torch.utils._pytree.register_dataclass(Routing)
+from torchtitan_moe.seam import Routing
 
 
 class Router(nn.Module):

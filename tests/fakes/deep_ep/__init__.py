@@ -11,7 +11,15 @@ csrc/deep_ep.cpp, csrc/kernels/intranode.cu at that commit):
     matrices and a call with a config of another num_sms fails as the real asserts do;
   - Config's checks, the NVLink buffer-size checks, 2/4/8 ranks, int64 top-k, a collective
     constructor, explicit destroy; Config's fields are not readable (pybind exposes none).
-Not faked: FP8, internode, low-latency mode, num_worst_tokens, bias, events (all synchronous).
+  - events: `Buffer.capture()`, `previous_event`, `async_finish` (an EventOverlap with an event, else
+    none: `current_stream_wait` on it fails as the real assert does) and `allocate_on_comm_stream`
+    (only with a previous event and async_finish, as csrc/deep_ep.cpp asserts); the work itself
+    is done by the time the call returns (the CPU has one stream).
+  - num_worst_tokens (no host sync): W received rows, those past the real ones undefined (NaN rows
+    and weights here, so that a read of one shows), their top-k ids -1, no per-expert counts; a
+    cached dispatch with such a handle returns W rows too. More real rows than W is an error here
+    (the real kernels would write past their buffers).
+Not faked: FP8, internode, low-latency mode, bias.
 """
 
 from __future__ import annotations
@@ -46,18 +54,40 @@ class Config:
         return (num_bytes + 127) // 128 * 128
 
 
+class EventHandle:
+    """A recorded point of a stream (csrc/event.hpp); the CPU's one stream is always past it."""
+
+    def current_stream_wait(self) -> None:
+        pass
+
+
 class EventOverlap:
     def __init__(self, event=None, extra_tensors=None):
         self.event, self.extra_tensors = event, extra_tensors
 
     def current_stream_wait(self) -> None:
         assert self.event is not None
+        self.event.current_stream_wait()
+
+
+def _on_comm_stream(previous_event, async_finish: bool, allocate_on_comm_stream: bool) -> EventOverlap:
+    """The stream handling of every intranode call: checks as deep_ep.cpp, the event it returns."""
+    event = getattr(previous_event, "event", None)  # as buffer.py passes it on
+    assert event is None or isinstance(event, EventHandle)
+    if allocate_on_comm_stream:
+        assert event is not None and async_finish, "allocate_on_comm_stream needs previous_event and async"
+    return EventOverlap(EventHandle() if async_finish else None)
 
 
 def _channel_of(num_tokens: int, num_channels: int) -> torch.Tensor:
     """[T] channel of each token: channels take ceil(T / C) consecutive tokens (get_channel_task_range)."""
     per = -(-num_tokens // num_channels) if num_tokens else 1
     return torch.arange(num_tokens) // per
+
+
+def _undefined_tail(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x with NaN rows appended up to `rows` (memory the real kernels never write)."""
+    return torch.cat([x, x.new_full((rows - x.shape[0], *x.shape[1:]), float("nan"))])
 
 
 class Buffer:
@@ -94,7 +124,7 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        return EventOverlap("event")
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
@@ -146,14 +176,15 @@ class Buffer:
         is_token_in_rank = torch.stack([(dest == r).any(dim=1) for r in range(self.group_size)], dim=1)
         num_tokens_per_rank = is_token_in_rank.sum(dim=0).int()
         num_tokens_per_expert = torch.bincount(topk_idx[valid], minlength=num_experts).int()
-        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank.contiguous(), EventOverlap()
+        event = _on_comm_stream(previous_event, async_finish, allocate_on_comm_stream)
+        return num_tokens_per_rank, None, num_tokens_per_expert, is_token_in_rank.contiguous(), event
 
     def dispatch(self, x, handle=None, num_tokens_per_rank=None, num_tokens_per_rdma_rank=None, is_token_in_rank=None,
                  num_tokens_per_expert=None, topk_idx=None, topk_weights=None, expert_alignment=1, num_worst_tokens=0,
                  config=None, previous_event=None, async_finish=False, allocate_on_comm_stream=False):
         config = self.get_dispatch_config(self.group_size) if config is None else config
         assert not isinstance(x, tuple), "fake deep_ep: no FP8"
-        assert num_worst_tokens == 0, "fake deep_ep: no num_worst_tokens"
+        event = _on_comm_stream(previous_event, async_finish, allocate_on_comm_stream)
         channels, P = self._channels(config), self.group_size
         self._check_rows(x)
         T, D = x.shape
@@ -163,8 +194,9 @@ class Buffer:
             assert tuple(channel_prefix_matrix.shape) == (P, channels), "cached channel_prefix_matrix vs num_sms / 2"
             assert is_token_in_rank.shape == (T, P)
             recv_x = torch.cat(self._all_to_all([x[is_token_in_rank[:, r]] for r in range(P)]))
+            recv_x = _undefined_tail(recv_x, recv_src_idx.shape[0])  # W rows if made with num_worst_tokens
             assert recv_x.shape[0] == recv_src_idx.shape[0]
-            return recv_x, None, None, None, None, EventOverlap()
+            return recv_x, None, None, None, None, event
 
         assert num_tokens_per_rank is not None and is_token_in_rank is not None and num_tokens_per_expert is not None
         assert is_token_in_rank.dtype == torch.bool and is_token_in_rank.shape == (T, P)
@@ -197,6 +229,8 @@ class Buffer:
                 weights.append(torch.where(mine, topk_weights[sel], 0.0))
             else:
                 meta.append(token[sel, None])
+        if num_worst_tokens > 0:
+            assert K, "num_worst_tokens: must be forward with top-k stuffs"
         recv_x = torch.cat(self._all_to_all(rows))
         recv_meta = torch.cat(self._all_to_all(meta))
         recv_src_idx = recv_meta[:, 0].int()
@@ -205,8 +239,16 @@ class Buffer:
         if K:
             recv_topk_idx = recv_meta[:, 1:].contiguous()
             recv_topk_weights = torch.cat(self._all_to_all(weights)).contiguous()
-            counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=local).tolist()
-            num_recv_tokens_per_expert_list = [-(-c // expert_alignment) * expert_alignment for c in counts]
+            if num_worst_tokens == 0:  # the host sync
+                counts = torch.bincount(recv_topk_idx[recv_topk_idx >= 0], minlength=local).tolist()
+                num_recv_tokens_per_expert_list = [-(-c // expert_alignment) * expert_alignment for c in counts]
+        if num_worst_tokens > 0:
+            assert recv_x.shape[0] <= num_worst_tokens, "fake deep_ep: more rows received than num_worst_tokens"
+            recv_x = _undefined_tail(recv_x, num_worst_tokens)
+            recv_topk_weights = _undefined_tail(recv_topk_weights, num_worst_tokens)
+            recv_topk_idx = torch.cat([recv_topk_idx, recv_topk_idx.new_full(
+                (num_worst_tokens - recv_topk_idx.shape[0], K), -1)])
+            recv_src_idx = torch.cat([recv_src_idx, recv_src_idx.new_zeros(num_worst_tokens - recv_src_idx.shape[0])])
 
         # The handle, shaped as the real one: rank prefix [P, P] (source-major cumulative counts),
         # channel prefix [P, C] (tokens to each rank up to each channel), the received channels'
@@ -229,12 +271,13 @@ class Buffer:
             send_head[:, r] = torch.where(sel, before - start_of_channel, -1).int()
         handle = (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx,
                   is_token_in_rank, send_head)
-        return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, EventOverlap()
+        return recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle, event
 
     def combine(self, x, handle, topk_weights=None, bias=None, config=None, previous_event=None, async_finish=False,
                 allocate_on_comm_stream=False):
         config = self.get_combine_config(self.group_size) if config is None else config
         assert bias is None, "fake deep_ep: no bias"
+        event = _on_comm_stream(previous_event, async_finish, allocate_on_comm_stream)
         channels, P = self._channels(config), self.group_size
         rank_prefix_matrix, _, channel_prefix_matrix, src_idx, is_token_in_rank, send_head = handle
         assert x.dim() == 2 and x.is_contiguous()
@@ -265,4 +308,4 @@ class Buffer:
             out[sel] += back[r].float()
             if K:
                 out_w[sel] += back_w[r]
-        return out.to(x.dtype), out_w, EventOverlap()
+        return out.to(x.dtype), out_w, event

@@ -15,7 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from torchtitan_moe.dispatch.build import build_dispatchers
+from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, logger, use_sum_reductions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from torchtitan_moe.config import ConfigError
-from torchtitan_moe.dispatch import tuned
+from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.deepep_backend import (
     DeepEPSettings,
     DeepEPUnavailable,

@@ -2,7 +2,7 @@
 
 Under expert parallelism the experts' weights are also split here, on the expert dim over
 the `ep` mesh (rank r of EP holds experts [r E/EP, (r+1) E/EP)), before FSDP2 shards them
-further over `efsdp`. Which dispatcher, and why, is decided once (dispatch/choose.py) and
+further over `efsdp`. Which dispatcher, and why, is decided once (parallel/choose.py) and
 logged; the DeepEP layers share one backend: one buffer, one frozen setting.
 """
 
@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.dispatch.choose import choose_dispatcher
-from torchtitan_moe.dispatch.tuned import Shape
+from torchtitan_moe.parallel.choose import choose_dispatcher
+from torchtitan_moe.parallel.tuned import Shape
 from torchtitan_moe.moe.layer import MoE
 
 logger = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
         from torchtitan_moe.dispatch.deepep_backend import DeepEPV1
 
         backend = DeepEPV1(group, choice.settings, shape.hidden)
+    buffers = job_config.dispatch.buffers
     for moe in moes:
         if choice.backend == "local":
             moe.set_dispatcher(moe.local_dispatcher(device))
@@ -69,6 +70,6 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
         kernels, align = moe.dispatch_settings(device)
         shard_experts(moe, ep_mesh)
         if choice.backend == "all_to_all":
-            moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels))
+            moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels, buffers=buffers))
         else:
-            moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels))
+            moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels, buffers=buffers))

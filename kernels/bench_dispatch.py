@@ -1,7 +1,7 @@
 """Dispatch + combine, forward and backward: NCCL all-to-all (per-rank, per-expert rows) and DeepEP.
 
     torchrun --nproc_per_node 8 kernels/bench_dispatch.py [--tokens 8192] [--ep 2,4,8] [--layer]
-        [--tuned-file configs/tuned/dispatch.json] [--json out.json]
+        [--tuned-file FILE] [--json out.json]
 
 For each EP degree (the first EP ranks of the launch form the group):
   exchange   the rows alone: NCCL all_to_all_single of per-rank rows (ours) vs per-expert rows
@@ -208,12 +208,12 @@ def deepep_settings(ep: int, args, routing: Routing) -> list[tuple]:
         return [("deepep_default", None, f"DeepEP takes EP 2, 4 or 8, not {ep}")]
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     shape = tuned.Shape(gpu, ep, args.dim, args.top_k, args.experts, args.tokens)
-    found = tuned.match(tuned.load(args.tuned_file), shape)
+    found = tuned.lookup(args.tuned_file, shape)
     rows = [("deepep_default", default_settings(ep), "DeepEP's defaults")]
     if found:
-        rows.append(("deepep_tuned", found[1].deepep, f"{args.tuned_file}, entry {found[0]}"))
+        rows.append(("deepep_tuned", found[2].deepep, f"{found[0]}, entry {found[1]}"))
     else:
-        rows.append(("deepep_tuned", None, f"no entry for {shape.describe()} in {args.tuned_file}"))
+        rows.append(("deepep_tuned", None, f"no entry for {shape.describe()} in {args.tuned_file or 'the shipped table'}"))
     return rows
 
 
@@ -274,7 +274,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--link-gbs", type=float, default=18 * 26.6, help="NVLink GB/s per direction per GPU")
-    parser.add_argument("--tuned-file", default="configs/tuned/dispatch.json", help="for the 'deepep_tuned' row")
+    parser.add_argument("--tuned-file", default="", help="for the 'deepep_tuned' row, looked up before the shipped table")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()

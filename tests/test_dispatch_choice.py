@@ -3,6 +3,7 @@
 One process, no collectives: DeepEP's group checks (tested in test_deepep.py) are stubbed here.
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -34,7 +35,7 @@ def write_tuned(tmp_path: Path, *entries: dict, version=1) -> str:
     return str(path)
 
 
-def cfg(backend="auto", tuned_file="missing.json", num_sms=0, precision="bfloat16"):
+def cfg(backend="auto", tuned_file="", num_sms=0, precision="bfloat16"):
     return SimpleNamespace(dispatch=SimpleNamespace(backend=backend, tuned_file=tuned_file, num_sms=num_sms),
                            training=SimpleNamespace(mixed_precision_param=precision))
 
@@ -76,7 +77,23 @@ def test_deepep_config_passes(tmp_path):
                       training__mixed_precision_param="bfloat16", dispatch__num_sms=64)
     config = load_job_config(["--job.config_file", path])
     assert config.dispatch.backend == "deepep" and config.dispatch.num_sms == 64
-    assert config.dispatch.tuned_file == "configs/tuned/dispatch.json"
+    assert config.dispatch.tuned_file == ""  # the shipped table alone
+
+
+def test_the_shipped_table_answers_without_a_file_and_a_users_file_comes_first(tmp_path):
+    h200 = tuned.Shape("NVIDIA H200", 2, 2048, 8, 128, 8192)
+    source, _, shipped = tuned.lookup("", h200)
+    assert source == tuned.SHIPPED and shipped.best == "deepep"  # measured on 2 H200s, see tuned.py
+    assert tuned.lookup("", tuned.Shape("NVIDIA H100 80GB HBM3", 2, 2048, 8, 128, 8192)) is None
+    mine = write_tuned(tmp_path, {**entry(num_sms=32), "best": "all_to_all"})
+    source, index, found = tuned.lookup(mine, tuned.Shape("NVIDIA H200", 2, 2048, 8, 128, 16384))
+    assert (source, index, found.best, found.deepep.num_sms) == (mine, 0, "all_to_all", 32)
+
+
+def test_a_tuned_file_that_does_not_exist_is_refused(tmp_path):
+    missing = str(tmp_path / "typo.json")
+    with pytest.raises(ConfigError, match=r"^\[dispatch\] tuned_file = '.*typo.json': no such file \(leave it unset"):
+        choose_dispatcher(cfg("auto", missing), tuned.Shape("NVIDIA H200", 2, 2048, 8, 128, 8192), None, device_sms=132)
 
 
 # -- the tuned file ---------------------------------------------------------------------------
@@ -172,12 +189,10 @@ def test_auto_picks_from_the_tuned_table_and_says_why(tmp_path, fake_deep_ep):
     choice = choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry(best="all_to_all"))), SHAPE, None, 132)
     assert choice.backend == "all_to_all" and choice.reason.startswith("auto: all_to_all, faster than deepep in")
 
-    choice = choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry(tokens=65536))), SHAPE, None, 132)
-    assert choice.backend == "all_to_all" and "no tuned entry for NVIDIA H200, EP 2" in choice.reason
-    assert "python -m torchtitan_moe.tune_dispatch" in choice.reason
-
-    choice = choose_dispatcher(cfg("auto", str(tmp_path / "none.json")), SHAPE, None, 132)
-    assert choice.backend == "all_to_all" and "none.json (no such file)" in choice.reason
+    h100 = tuned.Shape("NVIDIA H100 80GB HBM3", *list(dataclasses.astuple(SHAPE))[1:])  # not in the shipped table
+    choice = choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry(tokens=65536))), h100, None, 132)
+    assert choice.backend == "all_to_all" and "no tuned entry for NVIDIA H100 80GB HBM3, EP 2" in choice.reason
+    assert "or the shipped table" in choice.reason and "python -m torchtitan_moe.tune_dispatch" in choice.reason
 
     choice = choose_dispatcher(cfg("auto"), tuned.Shape("cpu", 1, 128, 2, 8, 1024), None, None)
     assert (choice.backend, choice.reason) == ("local", "local (EP = 1)")

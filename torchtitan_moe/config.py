@@ -96,8 +96,10 @@ class Dispatch:
     one copy of a token per destination rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8
     on one node), 'auto' (local at EP = 1; else the faster one in tuned_file, or all_to_all)."""
 
-    tuned_file: str = "configs/tuned/dispatch.json"
-    """Dispatcher timings and DeepEP settings written by `python -m torchtitan_moe.tune_dispatch`."""
+    tuned_file: str = ""
+    """Your own dispatcher timings and DeepEP settings (`python -m torchtitan_moe.tune_dispatch`
+    writes them), looked up before the table shipped with the package (measured on H200s);
+    unset: the shipped table alone."""
 
     num_sms: int = 0
     """DeepEP's SMs (even); 0: the tuned file's, else DeepEP's default (24)."""

@@ -105,7 +105,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.tune_dispatch", description=__doc__.split("\n\n")[0],
                                      allow_abbrev=False)
     parser.add_argument("config")
-    parser.add_argument("--out", default=None, help="tuned file to write (default: the config's [dispatch] tuned_file)")
+    parser.add_argument("--out", default=None, help="tuned file to write (default: the config's [dispatch] tuned_file, else "
+                        "tuned_dispatch.json here; name it in [dispatch] tuned_file to use it)")
     parser.add_argument("--json", default=None, help="also write every measurement here")
     parser.add_argument("--num-sms", type=ints, default=NUM_SMS)
     parser.add_argument("--dispatch-chunks", type=ints, default=DISPATCH_CHUNKS)
@@ -253,7 +254,7 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
         a2a = sweep.all_to_all()
         deepep = [sweep.deepep(n) for n in num_sms]
         best = min(deepep, key=lambda row: row["layer_ms"])
-        path = args.out or config.dispatch.tuned_file
+        path = args.out or config.dispatch.tuned_file or "tuned_dispatch.json"
         if rank == 0:
             try:
                 version = importlib.metadata.version("deep_ep")

@@ -74,14 +74,16 @@ def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, 
     if backend == "all_to_all":
         return Choice("all_to_all", None, "all_to_all ([dispatch] backend)")
 
-    path = cfg.dispatch.tuned_file
-    found = tuned.match(tuned.load(path), shape)
-    if not os.path.exists(path):
-        path = f"{path} (no such file)"
+    user_file = cfg.dispatch.tuned_file
+    if user_file and not os.path.exists(user_file):
+        raise ConfigError(f"[dispatch] tuned_file = {user_file!r}: no such file (leave it unset for the shipped "
+                          f"table, or measure one with {TUNER})")
+    found = tuned.lookup(user_file, shape)
+    path = found[0] if found else (f"{user_file} or the shipped table" if user_file else "the shipped table")
     entry = None
     if found:
-        tuned.check_device(found[1], found[0], path, device_sms)
-        entry = found[1]
+        tuned.check_device(found[2], found[1], path, device_sms)
+        entry = found[2]
 
     if backend == "deepep":
         try:

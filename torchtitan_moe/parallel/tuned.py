@@ -1,7 +1,9 @@
 """The tuned dispatcher table: what `python -m torchtitan_moe.tune_dispatch` measured.
 
 `[dispatch] backend = "auto"` reads it to choose a dispatcher, `"deepep"` for its settings.
-A JSON file ([dispatch] tuned_file, default configs/tuned/dispatch.json):
+A JSON file: the package ships `tuned_dispatch.json` beside this module (SHIPPED: entries
+measured by tune_dispatch, each with its date, torch and DeepEP versions); a user's own
+([dispatch] tuned_file, e.g. tune_dispatch's output) is looked up first, the shipped one after it:
 
     {"version": 1, "entries": [
       {"gpu": "NVIDIA H200", "ep": 2, "hidden": 2048, "top_k": 8, "experts": 128, "tokens_per_rank": 8192,
@@ -27,6 +29,10 @@ from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings
 
 VERSION = 1
 BACKENDS = ("deepep", "all_to_all")
+# Entries measured on H200s. EP = 2: tune_dispatch on 2 H200s (configs/qwen3_30b_a3b_8l.toml,
+# 8192 tokens/rank, DeepEP 567632d, torch 2.11.0+cu130) at project commit 2c40531, 2026-11-23,
+# measured outside the project's own runs (shared/measured/h200x2-ep2-dispatch.json).
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_dispatch.json")
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,15 @@ def match(entries: list[TunedEntry], shape: Shape) -> tuple[int, TunedEntry] | N
         return None
     _, i, e = min(near, key=lambda d: d[0])
     return i, e
+
+
+def lookup(path: str, shape: Shape) -> tuple[str, int, TunedEntry] | None:
+    """(file, index, entry) for `shape`: the user's file `path` ("" for none) first, then SHIPPED."""
+    for source in ([path] if path else []) + [SHIPPED]:
+        found = match(load(source), shape)
+        if found:
+            return (source, *found)
+    return None
 
 
 def check_device(entry: TunedEntry, index: int, path: str, device_sms: int | None) -> None:

@@ -8,6 +8,8 @@ config=${1:?usage: scripts/train.sh CONFIG [--section.key value ...]}
 shift
 py=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
 nproc=${NPROC:-$("$py" -c "import torch; print(torch.cuda.device_count() or 2)")}
+# The config check first: a refusal is its one line and exit status 2, with no launcher report.
+"$py" -m torchtitan_moe.check_config "$config" --nproc "$nproc" "$@" > /dev/null || exit $?
 exec "$py" -m torch.distributed.run --standalone --nproc_per_node "$nproc" \
     --local-ranks-filter "${LOG_RANK:-0}" --role rank --tee 3 \
     -m torchtitan_moe.train --job.config_file "$config" "$@"

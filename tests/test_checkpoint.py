@@ -116,6 +116,33 @@ def test_other_data_parallel_degree_is_refused_unless_data_restarts(tmp_path):
     assert check_checkpoint_to_load(restarted, run_args(restarted), 4).step == 4
 
 
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage, expected", [
+    ("distcp", "is truncated ("),
+    ("metadata", "its .metadata cannot be read ("),
+    ("model_args", "model_args.json cannot be read (JSONDecodeError"),
+])
+def test_an_unreadable_step_is_refused_naming_it_and_the_step_to_resume_from(tmp_path, damage, expected):
+    config = job(tmp_path)
+    args = run_args(config)
+    for step in (2, 4, 6):
+        save_step(tmp_path / "checkpoint" / f"step-{step}", args)
+    step6 = tmp_path / "checkpoint" / "step-6"
+    target = {"distcp": next(step6.glob("*.distcp")), "metadata": step6 / ".metadata",
+              "model_args": step6 / "model_args.json"}[damage]
+    _truncate(target)
+    before = {p: p.read_bytes() for p in (tmp_path / "checkpoint").rglob("*") if p.is_file()}
+    message = refusal(config)
+    assert str(step6) in message and expected in message
+    assert "nothing was changed on disk; resume from step 4 with --checkpoint.load_step 4" in message
+    assert {p: p.read_bytes() for p in (tmp_path / "checkpoint").rglob("*") if p.is_file()} == before
+    # The step it names loads.
+    assert check_checkpoint_to_load(job(tmp_path, checkpoint__load_step=4), args, 2).step == 4
+
+
 def test_incomplete_step_is_skipped_with_a_warning(tmp_path, caplog):
     config = job(tmp_path)
     save_step(tmp_path / "checkpoint" / "step-4", run_args(config))

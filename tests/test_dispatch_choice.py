@@ -92,7 +92,7 @@ def test_the_shipped_table_answers_without_a_file_and_a_users_file_comes_first(t
 
 def test_a_tuned_file_that_does_not_exist_is_refused(tmp_path):
     missing = str(tmp_path / "typo.json")
-    with pytest.raises(ConfigError, match=r"^\[dispatch\] tuned_file = '.*typo.json': no such file \(leave it unset"):
+    with pytest.raises(ConfigError, match=r"^\[dispatch\] tuned_file = .*typo.json.: no such file \(leave it unset"):
         choose_dispatcher(cfg("auto", missing), tuned.Shape("NVIDIA H200", 2, 2048, 8, 128, 8192), None, device_sms=132)
 
 

@@ -100,9 +100,40 @@ def planned_load(checkpoint_config, dump_folder: str, hf_assets_path: str | None
 
 
 def read_dcp_metadata(path: str):
+    """The DCP metadata of a step folder; one line if it cannot be read (the folder is left as it is)."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    return FileSystemReader(path).read_metadata()
+    try:
+        return FileSystemReader(path).read_metadata()
+    except Exception as e:  # truncated or corrupt pickle: UnpicklingError, EOFError, ValueError, ...
+        raise CheckpointError(f"{path}: its .metadata cannot be read ({type(e).__name__}: {e}); nothing was "
+                              f"changed on disk; {_resume_hint(path)}") from None
+
+
+def check_data_files(path: str, metadata) -> None:
+    """Every .distcp file the metadata points into exists and is long enough (a copy or save cut
+    short leaves one truncated, which DCP reports only as an EOFError deep inside the load)."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        file = os.path.join(path, name)
+        size = os.path.getsize(file) if os.path.isfile(file) else None
+        if size is None or size < end:
+            what = "is missing" if size is None else f"is truncated ({size:,} of at least {end:,} bytes)"
+            raise CheckpointError(f"{file} {what}; nothing was changed on disk; {_resume_hint(path)}")
+
+
+def _resume_hint(step_path: str) -> str:
+    """How to go on from a step folder that cannot be read: the newest readable full step before it."""
+    match = _STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(step_path)))
+    if not match:
+        return "point --checkpoint.initial_load_path at a readable checkpoint"
+    earlier = _newest_full_step_before(os.path.dirname(os.path.normpath(step_path)), int(match.group(1)))
+    if earlier is None:
+        return "no earlier full step to resume from: start over in a new --job.dump_folder"
+    return f"resume from step {earlier} with --checkpoint.load_step {earlier}"
 
 
 def model_shapes(metadata) -> dict[str, tuple[int, ...]]:
@@ -183,6 +214,7 @@ def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: in
             f"from it with --checkpoint.initial_load_path {plan.path} --checkpoint.initial_load_in_hf "
             "(in a new --job.dump_folder)")
     metadata = read_dcp_metadata(plan.path)
+    check_data_files(plan.path, metadata)
     keys = metadata.state_dict_metadata
     mismatch = shape_mismatch(model_shapes(metadata), model_args)
     if mismatch:
@@ -214,9 +246,14 @@ def _newest_full_step_before(folder: str, step: int | None) -> int | None:
     """The newest complete full checkpoint before `step`, if any."""
     for s in sorted(step_folders(folder), reverse=True):
         path = os.path.join(folder, f"step-{s}")
-        if (step is None or s < step) and s > 0 and os.path.isfile(os.path.join(path, ".metadata")) \
-                and "train_state.step" in read_dcp_metadata(path).state_dict_metadata:
-            return s
+        if (step is None or s < step) and s > 0 and os.path.isfile(os.path.join(path, ".metadata")):
+            try:
+                metadata = read_dcp_metadata(path)
+                check_data_files(path, metadata)
+            except CheckpointError:
+                continue  # unreadable too: look further back
+            if "train_state.step" in metadata.state_dict_metadata:
+                return s
     return None
 
 
@@ -256,13 +293,17 @@ def read_model_args(folder: str) -> Qwen3MoEArgs | None:
     path = os.path.join(folder, MODEL_ARGS_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        saved = json.load(f)
-    moe = saved.pop("moe", {})
-    known = {f.name for f in dataclasses.fields(Qwen3MoEArgs)}
-    args = Qwen3MoEArgs(**{k: v for k, v in saved.items() if k in known})
-    moe_known = {f.name for f in dataclasses.fields(MoEArgs)}
-    args.moe = MoEArgs(**{k: v for k, v in moe.items() if k in moe_known})
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        moe = saved.pop("moe", {})
+        known = {f.name for f in dataclasses.fields(Qwen3MoEArgs)}
+        args = Qwen3MoEArgs(**{k: v for k, v in saved.items() if k in known})
+        moe_known = {f.name for f in dataclasses.fields(MoEArgs)}
+        args.moe = MoEArgs(**{k: v for k, v in moe.items() if k in moe_known})
+    except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not a table of the model's args
+        raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); nothing was changed on disk; "
+                              f"{_resume_hint(folder)}") from None
     return args
 
 

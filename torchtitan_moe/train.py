@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from torchtitan_moe.check_config import check_machine
 from torchtitan_moe.checkpoint import CheckpointError, check_checkpoint_to_load, record_model_args
 from torchtitan_moe.checks import run_router_init_checks
 from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
@@ -152,6 +153,7 @@ def prepare(argv: list[str] | None = None):
     qwen3_moe.register()
     baseline.register()
     config = load_job_config(argv)
+    check_machine(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if config.model.name == baseline.NAME and not torch.cuda.is_available():
         raise ConfigError(f"[model] name = {baseline.NAME!r} needs a CUDA GPU: torchtitan 0.2.2's MoE counts "
                           "tokens with torch.histc, which has no CPU kernel for int64")

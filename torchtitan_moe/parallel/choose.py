@@ -12,7 +12,6 @@ A tuned file that does not parse, or names more SMs than the GPU has, is an erro
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -75,9 +74,6 @@ def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, 
         return Choice("all_to_all", None, "all_to_all ([dispatch] backend)")
 
     user_file = cfg.dispatch.tuned_file
-    if user_file and not os.path.exists(user_file):
-        raise ConfigError(f"[dispatch] tuned_file = {user_file!r}: no such file (leave it unset for the shipped "
-                          f"table, or measure one with {TUNER})")
     found = tuned.lookup(user_file, shape)
     path = found[0] if found else (f"{user_file} or the shipped table" if user_file else "the shipped table")
     entry = None

@@ -116,10 +116,18 @@ def match(entries: list[TunedEntry], shape: Shape) -> tuple[int, TunedEntry] | N
     return i, e
 
 
+def load_named(path: str) -> list[TunedEntry]:
+    """The entries of a file a user named in [dispatch] tuned_file: it must exist and parse."""
+    if not os.path.exists(path):
+        raise ConfigError(f"[dispatch] tuned_file = {path!r}: no such file (leave it unset for the table shipped "
+                          "with the package, or measure one with python -m torchtitan_moe.tune_dispatch CONFIG)")
+    return load(path)
+
+
 def lookup(path: str, shape: Shape) -> tuple[str, int, TunedEntry] | None:
     """(file, index, entry) for `shape`: the user's file `path` ("" for none) first, then SHIPPED."""
     for source in ([path] if path else []) + [SHIPPED]:
-        found = match(load(source), shape)
+        found = match(load_named(source), shape)
         if found:
             return (source, *found)
     return None

@@ -33,9 +33,25 @@ def train(dump: Path, *overrides: str, nproc: int = 2, timeout: int = 600) -> li
         return [json.loads(line) for line in f]
 
 
+# What a plain CPU run must not print (issue 24): warnings that say nothing a user can act on,
+# torchtitan's A100 fallback and the MFU columns without a peak, colour codes in a log file.
+NOISE = ("Warning", "warnings.warn", "lspci", "Peak flops", "Peak FLOPS", "tflops", "mfu", "\x1b[",
+         "OMP_NUM_THREADS", "will be overridden")
+
+
 @pytest.mark.slow
-def test_two_process_debug_run_learns(tmp_path):
-    records = train(tmp_path / "run", "--training.steps", "30")
+def test_two_process_debug_run_learns_quietly(tmp_path):
+    # The README's first command, as a user runs it with its output going to a file.
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NO_COLOR")}
+    env.update(PYTHON=sys.executable, NPROC="2", PYTHONUNBUFFERED="1")
+    dump = tmp_path / "run"
+    result = subprocess.run(["bash", "scripts/train.sh", str(DEBUG), "--job.dump_folder", str(dump),
+                             "--training.steps", "30"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    assert [line for line in log.splitlines() if any(n in line for n in NOISE)] == []
+    with open(dump / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(1, 31))
     assert 0.9 * math.log(2048) < losses[0] < 1.1 * math.log(2048)  # starts near uniform over the vocabulary

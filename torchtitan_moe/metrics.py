@@ -144,10 +144,10 @@ class MoEMetricsProcessor(MetricsProcessor):
         line = (
             f"{c.red}step: {step:2}  {c.green}loss: {global_avg_loss:8.5f}  "
             f"{c.orange}grad_norm: {grad_norm:7.4f}  {c.turquoise}memory: {mem.max_reserved_gib:5.2f}GiB  "
-            f"{c.blue}tps: {round(tps):,}  {c.cyan}tflops: {tflops:,.2f}{c.reset}"
+            f"{c.blue}tps: {round(tps):,}{c.reset}"
         )
-        if "mfu(%)" in metrics:
-            line += f"  {c.magenta}mfu: {metrics['mfu(%)']:.1f}%{c.reset}"
+        if "mfu(%)" in metrics:  # only where a peak is known (a GPU, or [metrics] peak_tflops)
+            line += f"  {c.cyan}tflops: {tflops:,.2f}  {c.magenta}mfu: {metrics['mfu(%)']:.1f}%{c.reset}"
         if "moe/load_cv" in metrics:
             line += "  | moe"
             if "moe/balance_loss" in metrics:

@@ -11,6 +11,7 @@ import logging
 import os
 import resource
 import sys
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -38,7 +39,8 @@ from torchtitan.protocols.model import BaseModelArgs, ModelProtocol
 from torchtitan.protocols.state_dict_adapter import StateDictAdapter
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
 from torchtitan.tools import utils as tt_utils
-from torchtitan.tools.logging import init_logger, logger
+from torchtitan.tools.logging import init_logger as _torchtitan_init_logger
+from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 TORCHTITAN_VERSION = "0.2.2"
@@ -172,6 +174,39 @@ class _CpuDeviceModule:
         pass  # the peak RSS of a process cannot be reset: the step line shows the run's peak
 
 
+# torchtitan's log lines that say nothing a user can act on: without `lspci` (containers) it
+# falls back to the device name, which names the GPU; on a CPU there is no peak to measure
+# MFU against (metrics.py then prints no MFU), so its A100 fallback and the peak it logs are
+# wrong there.
+# torchrun sets TORCH_NCCL_ASYNC_ERROR_HANDLING=1 and torchtitan always takes it to 3 (its flight
+# recorder needs that), warning about an override nobody asked for.
+_NOISE = ("Error running lspci", "ENV[TORCH_NCCL_ASYNC_ERROR_HANDLING] = 1 will be overridden to 3")
+_CPU_NOISE = ("Peak flops undefined for: cpu", "Peak FLOPS used for computing MFU")
+# Warnings of torch and torchdata that a CPU (gloo) run always triggers, each harmless here.
+_CPU_WARNINGS = (
+    "DTensor random operators may not have complete support on cpu device mesh",
+    r"DTensor manual_seed\(\) may not have complete support on cpu device mesh",
+    "'set_vital' is deprecated",
+)
+
+
+class _DropNoise(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]):
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def init_logger() -> None:
+    """torchtitan's logger, without its lines that are noise on this machine (see _NOISE)."""
+    _torchtitan_init_logger()
+    noise = _NOISE + (() if torch.cuda.is_available() else _CPU_NOISE)
+    for handler in logger.handlers:
+        handler.addFilter(_DropNoise(noise))
+
+
 def enable_cpu_training() -> None:
     """Point torchtitan at the CPU (gloo) when there is no CUDA device. Idempotent."""
     if torch.cuda.is_available():
@@ -187,6 +222,8 @@ def enable_cpu_training() -> None:
     dist_utils.set_pg_timeouts = _set_pg_timeouts_gloo
     # `[profiling]` passes [CPU, None] as the activities when there is no accelerator.
     sys.modules["torchtitan.tools.profiling"].torch = _TorchWithCpuProfiler()
+    for message in _CPU_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
 
 
 class _TorchWithCpuProfiler:
@@ -209,7 +246,9 @@ def _set_pg_timeouts_gloo(timeout, parallel_dims) -> None:
     torch.distributed.barrier()
     groups = [mesh.get_group() for mesh in parallel_dims.get_all_one_dimensional_meshes().values()]
     for group in groups + [None]:
-        torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
+        with warnings.catch_warnings():  # a group without a gloo backend keeps its timeout
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported", category=UserWarning)
+            torch.distributed.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def use_sum_reductions(model: torch.nn.Module) -> None:

@@ -143,6 +143,14 @@ def single_process_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
+def colour_wanted() -> bool:
+    """Colour codes only on a terminal. A launcher whose own output is not one says so with
+    NO_COLOR (scripts/train.sh does); its workers' output is always a pipe."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    return "TORCHELASTIC_RUN_ID" in os.environ or sys.stdout.isatty()
+
+
 def prepare(argv: list[str] | None = None):
     """Environment, torchtitan registration and the checked job config."""
     from torchtitan_moe.models import baseline
@@ -154,6 +162,8 @@ def prepare(argv: list[str] | None = None):
     baseline.register()
     config = load_job_config(argv)
     check_machine(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if not colour_wanted():
+        config.metrics.disable_color_printing = True
     if config.model.name == baseline.NAME and not torch.cuda.is_available():
         raise ConfigError(f"[model] name = {baseline.NAME!r} needs a CUDA GPU: torchtitan 0.2.2's MoE counts "
                           "tokens with torch.histc, which has no CPU kernel for int64")

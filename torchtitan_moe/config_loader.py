@@ -21,14 +21,20 @@ except ModuleNotFoundError:  # Python < 3.11
     import tomli as tomllib
 
 
-def config_file_arg(argv: list[str]) -> str | None:
+def cli_value(argv: list[str], key: str) -> str | None:
+    """The value of `--section.key` (or its dashed spelling) on the command line, if given."""
+    flags = (f"--{key}", f"--{key.replace('_', '-')}")
     for i, arg in enumerate(argv):
-        for flag in ("--job.config_file", "--job.config-file"):
+        for flag in flags:
             if arg.startswith(flag + "="):
                 return arg.split("=", 1)[1]
             if arg == flag and i + 1 < len(argv):
                 return argv[i + 1]
     return None
+
+
+def config_file_arg(argv: list[str]) -> str | None:
+    return cli_value(argv, "job.config_file")
 
 
 def read_toml(path: str) -> dict:
@@ -61,7 +67,8 @@ def load_job_config(argv: list[str] | None = None, world_size: int | None = None
     config_cls = merged_config_class()
     check_structure(toml_values, config_cls, path or "config")
     check_cli_keys(argv, config_cls)
-    module = toml_values.get("job", {}).get("custom_config_module", CUSTOM_CONFIG_MODULE)
+    module = cli_value(argv, "job.custom_config_module") or toml_values.get("job", {}).get(
+        "custom_config_module", CUSTOM_CONFIG_MODULE)
     if module != CUSTOM_CONFIG_MODULE:
         raise ConfigError(f"[job] custom_config_module = {module!r}: torchtitan-moe needs {CUSTOM_CONFIG_MODULE!r}")
     config = ConfigManager().parse_args(with_custom_config_module(argv, toml_values))

@@ -8,12 +8,16 @@ PLAN.json is a list of operations that every rank runs in order:
     {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
     {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
     {"split_rows": out}                        the Hugging Face adapter on experts whose rows two ranks split
+An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
 Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared.
+Tests launch a plan with `spawn_ranks.torchrun_plan`.
 """
 
+import contextlib
 import dataclasses
 import gc
 import json
+import os
 import shutil
 import sys
 import time
@@ -83,6 +87,27 @@ def split_rows(out: str) -> None:
         Path(out).write_text(json.dumps({"to_hf_exact": to_hf_exact, "round_trip_exact": round_trip_exact}))
 
 
+@contextlib.contextmanager
+def output_to(prefix: str | None):
+    """This process's stdout and stderr (file descriptors 1 and 2) appended to PREFIX.out / .err."""
+    if prefix is None:
+        yield
+        return
+    sys.stdout.flush(), sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    for fd, ext in ((1, "out"), (2, "err")):
+        f = os.open(f"{prefix}.{ext}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    try:
+        yield
+    finally:
+        sys.stdout.flush(), sys.stderr.flush()
+        for fd, copy in saved.items():
+            os.dup2(copy, fd)
+            os.close(copy)
+
+
 def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
     init_logger()
@@ -93,17 +118,18 @@ def main(plan_path: str) -> int:
     time.sleep = lambda seconds: None if seconds == 2 else sleep(seconds)
     for i, op in enumerate(plan):
         print(f"resume_harness: op {i}: {op}", flush=True)
-        if "train" in op:
-            train(op["train"])
-        elif "refused" in op:
-            refused(op["refused"], op["out"])
-        elif dist.get_rank() == 0 and "copy" in op:
-            shutil.copytree(*op["copy"])
-        elif dist.get_rank() == 0 and "to_hf" in op:
-            step, out = op["to_hf"]
-            assert convert.main(["to-hf", step, out, "--dtype", "float32", "--drop-expert-bias"]) == 0
-        elif "split_rows" in op:
-            split_rows(op["split_rows"])
+        with output_to(op.get("log")):
+            if "train" in op:
+                train(op["train"])
+            elif "refused" in op:
+                refused(op["refused"], op["out"])
+            elif dist.get_rank() == 0 and "copy" in op:
+                shutil.copytree(*op["copy"])
+            elif dist.get_rank() == 0 and "to_hf" in op:
+                step, out = op["to_hf"]
+                assert convert.main(["to-hf", step, out, "--dtype", "float32", "--drop-expert-bias"]) == 0
+            elif "split_rows" in op:
+                split_rows(op["split_rows"])
         dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from spawn_ranks import torchrun_env, torchrun_plan
+
 from torchtitan_moe.checks import router_init as ri
 from torchtitan_moe.checks import monitors as mon
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
@@ -417,14 +419,12 @@ def test_wandb_goes_offline_without_a_key(monkeypatch, tmp_path):
 
 
 def torchrun(dump: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         "-m", "torchtitan_moe.train", "--job.config_file", str(ROOT / "configs" / "debug.toml"),
         "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
     ]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=300)
 
 
 def records(dump: Path) -> list[dict]:
@@ -448,13 +448,16 @@ def test_zero_initialized_gate_stops_the_run_before_step_1(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo path")
 def test_default_run_passes_and_checks_and_monitors_leave_training_unchanged(tmp_path):
-    checked = torchrun(tmp_path / "checked", "--training.steps", "6", "--checks.monitor_freq", "3")
-    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-    assert checked.stdout.count("router-init checks passed") == 2  # both ranks
-    assert "WARNING - step" not in checked.stdout  # no monitor warning on a healthy run
-    plain = torchrun(tmp_path / "plain", "--training.steps", "6", "--checks.router_init", "off",
-                     "--checks.monitor_freq", "0")
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    # Both runs in one torchrun launch; each run's output (both ranks) in its own .out / .err.
+    torchrun_plan([
+        {"train": ["--job.dump_folder", str(tmp_path / "checked"), "--training.steps", "6",
+                   "--checks.monitor_freq", "3"], "log": str(tmp_path / "checked")},
+        {"train": ["--job.dump_folder", str(tmp_path / "plain"), "--training.steps", "6",
+                   "--checks.router_init", "off", "--checks.monitor_freq", "0"], "log": str(tmp_path / "plain")},
+    ], tmp_path)
+    checked_out, plain_out = (tmp_path / "checked.out").read_text(), (tmp_path / "plain.out").read_text()
+    assert checked_out.count("router-init checks passed") == 2  # both ranks
+    assert "WARNING - step" not in checked_out  # no monitor warning on a healthy run
     with_checks, without = records(tmp_path / "checked"), records(tmp_path / "plain")
     assert [(r["loss"], r["grad_norm"]) for r in with_checks] == [(r["loss"], r["grad_norm"]) for r in without]
     monitored = [r for r in with_checks if "health/grad_norm_rank_max_over_min" in r]
@@ -462,4 +465,4 @@ def test_default_run_passes_and_checks_and_monitors_leave_training_unchanged(tmp
     for r in monitored:
         assert len(r["health/rank_grad_norm"]) == 2 and 1 <= r["health/grad_norm_rank_max_over_min"] < 10
         assert r["health/nonfinite_ranks"] == 0
-    assert "ranks grad max/min" in checked.stdout and "ranks grad max/min" not in plain.stdout
+    assert "ranks grad max/min" in checked_out and "ranks grad max/min" not in plain_out

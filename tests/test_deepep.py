@@ -240,19 +240,19 @@ def torchrun(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedP
 
 @pytest.mark.slow
 @cpu_only
-def test_training_with_deepep_matches_all_to_all_under_checkpointing(tmp_path, monkeypatch):
+def test_training_with_deepep_matches_all_to_all_under_checkpointing(parity_out, monkeypatch):
     # bf16 FSDP2 mixed precision, EP = 2, full activation checkpointing: the same losses to the bit.
     from torchtitan_moe.parity import main as parity
 
     with_fake_on_path(monkeypatch)
     code = parity([str(ROOT / "configs" / "debug.toml"), "--vary", "dispatch.backend=all_to_all,deepep",
-                   "--steps", "4", "--nproc", "2", "--out", str(tmp_path), "--no-plot", "--",
+                   "--steps", "4", "--nproc", "2", "--out", str(parity_out), "--no-plot", "--",
                    "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16",
                    "--activation_checkpoint.mode", "full"])
-    report = (tmp_path / "parity.md").read_text()
+    report = (parity_out / "parity.md").read_text()
     assert code == 0, report
     assert "| backend=deepep | 0.00e+00 | 0.00e+00 | - | 0.00e+00 | = | ok |" in report, report
-    assert "[dispatch] deepep: DeepEP's defaults, 24 SMs" in (tmp_path / "backenddeepep.log").read_text()
+    assert "[dispatch] deepep: DeepEP's defaults, 24 SMs" in (parity_out / "backenddeepep.log").read_text()
 
 
 @pytest.mark.slow

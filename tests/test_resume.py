@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawn_ranks import torchrun_env, torchrun_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ROOT / "configs" / "debug.toml"
@@ -30,12 +31,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo path; GPU runs are in the GPU worklogs"),
 ]
-
-
-def env() -> dict[str, str]:
-    out = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return out
 
 
 def records(dump: Path) -> list[dict]:
@@ -64,7 +59,7 @@ def killed_run(tmp_path_factory) -> Path:
     """One process trains 8 steps, checkpointing every 2; SIGKILL lands in step 6 (after step 5 is
     logged); the same command then runs again in the same folder and finishes."""
     dump = tmp_path_factory.mktemp("killed")
-    proc = subprocess.Popen(train_cmd(dump, "--training.steps", "8"), cwd=ROOT, env=env(), start_new_session=True,
+    proc = subprocess.Popen(train_cmd(dump, "--training.steps", "8"), cwd=ROOT, env=torchrun_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
     while not ((dump / "metrics.jsonl").exists() and any(r["step"] >= 5 for r in records(dump))):
@@ -82,7 +77,7 @@ def killed_run(tmp_path_factory) -> Path:
     if not partial.exists():
         partial.mkdir()
         shutil.copy(steps / f"step-{newest}" / "__0_0.distcp", partial)
-    result = subprocess.run(train_cmd(dump, "--training.steps", "8"), cwd=ROOT, env=env(), capture_output=True,
+    result = subprocess.run(train_cmd(dump, "--training.steps", "8"), cwd=ROOT, env=torchrun_env(), capture_output=True,
                             text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     (dump / "resume.log").write_text(result.stdout + result.stderr)
@@ -137,12 +132,7 @@ def harness(tmp_path_factory, killed_run) -> Path:
         for key in ("train", "refused"):
             if key in op:
                 op[key] = COMMON + op[key]
-    (d / "plan.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(ROOT / "tests" / "resume_harness.py"), str(d / "plan.json")]
-    result = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
-    (d / "harness.log").write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    torchrun_plan(plan, d)
     return d
 
 

@@ -1,4 +1,5 @@
-"""End to end on the CPU: 2 processes over gloo train the debug config (resuming: tests/test_resume.py)."""
+"""End to end on the CPU: 2 processes over gloo train the debug config (resuming: tests/test_resume.py).
+The three runs below share one torchrun launch (spawn_ranks.torchrun_plan)."""
 
 import json
 import math
@@ -9,49 +10,59 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawn_ranks import torchrun_plan
 
 from torchtitan_moe.data.synthetic import chain_entropy
 
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo path; GPU runs are in the GPU worklogs"),
+]
+
+RUNS = {
+    "learns": ["--training.steps", "30"],
+    "ep2_bf16": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
+                 "--training.mixed_precision_param", "bfloat16"],
+    "recipe": ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
+               "--training.global_batch_size", "32", "--router.balance_loss", "global_batch",
+               "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001"],
+}
+
+
 ROOT = Path(__file__).resolve().parents[1]
-DEBUG = ROOT / "configs" / "debug.toml"
-
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo path; GPU runs are in the GPU worklogs")
-
-
-def train(dump: Path, *overrides: str, nproc: int = 2, timeout: int = 600) -> list[dict]:
-    """torchrun the debug config; returns rank 0's metrics.jsonl records."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "-m", "torchtitan_moe.train", "--job.config_file", str(DEBUG),
-        "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides,
-    ]
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    with open(dump / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
-
-
 # What a plain CPU run must not print (issue 24): warnings that say nothing a user can act on,
 # torchtitan's A100 fallback and the MFU columns without a peak, colour codes in a log file.
 NOISE = ("Warning", "warnings.warn", "lspci", "Peak flops", "Peak FLOPS", "tflops", "mfu", "\x1b[",
          "OMP_NUM_THREADS", "will be overridden")
 
 
-@pytest.mark.slow
-def test_two_process_debug_run_learns_quietly(tmp_path):
+def test_the_readme_command_trains_quietly(tmp_path):
     # The README's first command, as a user runs it with its output going to a file.
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "NO_COLOR")}
     env.update(PYTHON=sys.executable, NPROC="2", PYTHONUNBUFFERED="1")
     dump = tmp_path / "run"
-    result = subprocess.run(["bash", "scripts/train.sh", str(DEBUG), "--job.dump_folder", str(dump),
-                             "--training.steps", "30"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(["bash", "scripts/train.sh", "configs/debug.toml", "--job.dump_folder", str(dump),
+                             "--training.steps", "3"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log[-6000:]
     assert [line for line in log.splitlines() if any(n in line for n in NOISE)] == []
-    with open(dump / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
+    assert sum(" step: " in line for line in log.splitlines()) == 3
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """name -> rank 0's metrics.jsonl records of that run of the debug config on 2 processes."""
+    d = tmp_path_factory.mktemp("train_cpu")
+    torchrun_plan([{"train": ["--job.dump_folder", str(d / name), *overrides]} for name, overrides in RUNS.items()], d)
+    out = {}
+    for name in RUNS:
+        with open(d / name / "metrics.jsonl") as f:
+            out[name] = [json.loads(line) for line in f]
+    return out
+
+
+def test_two_process_debug_run_learns(runs):
+    records = runs["learns"]
     losses = [r["loss"] for r in records]
     assert [r["step"] for r in records] == list(range(1, 31))
     assert 0.9 * math.log(2048) < losses[0] < 1.1 * math.log(2048)  # starts near uniform over the vocabulary
@@ -69,20 +80,15 @@ def test_two_process_debug_run_learns_quietly(tmp_path):
         assert layer[:4] != layer[4:], records[0]["moe/tokens_per_expert"]
 
 
-@pytest.mark.slow
-def test_expert_parallel_bf16_mixed_precision(tmp_path):
+def test_expert_parallel_bf16_mixed_precision(runs):
     # bf16 parameters under EP: the experts' FSDP group must leave the fp32 probs alone.
-    records = train(tmp_path / "run", "--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
-                    "--training.mixed_precision_param", "bfloat16")
+    records = runs["ep2_bf16"]
     assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]
 
 
-@pytest.mark.slow
-def test_router_recipe_terms_are_logged_each_on_its_own(tmp_path):
+def test_router_recipe_terms_are_logged_each_on_its_own(runs):
     # Global-batch balance loss and z-loss under EP = 2 and 2 micro-batches per step.
-    records = train(tmp_path / "run", "--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
-                    "--training.global_batch_size", "32", "--router.balance_loss", "global_batch",
-                    "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001")
+    records = runs["recipe"]
     for r in records:
         balance, z = r["moe/balance_loss_per_layer"], r["moe/z_loss_per_layer"]
         assert len(balance) == len(z) == 4

@@ -157,3 +157,11 @@ def torchrun_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int =
     result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
     (folder / "harness.log").write_text(result.stdout + result.stderr)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+
+
+def train_debug(dump: Path, *overrides: str, nproc: int = 2) -> list[dict]:
+    """One run of the debug config on `nproc` processes (torchrun_plan); rank 0's metrics.jsonl records."""
+    dump.parent.mkdir(parents=True, exist_ok=True)
+    torchrun_plan([{"train": ["--job.dump_folder", str(dump), *overrides]}], dump.parent, nproc)
+    with open(dump / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]

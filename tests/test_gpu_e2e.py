@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 from numerics import assert_close_to_max
 from spawn_ranks import rank_group, run_ranks
+from spawn_ranks import train_debug as train
 from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
-from test_train_cpu import train
+from spawn_ranks import train_debug as train
 
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 

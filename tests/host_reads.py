@@ -18,3 +18,16 @@ class HostReads(TorchDispatchMode):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
         return func(*args, **(kwargs or {}))
+
+
+class HostSyncs(HostReads):
+    """HostReads, plus `Tensor.tolist()` (a host sync that does not dispatch)."""
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: (setattr(self, "count", self.count + 1), self._tolist(t))[1]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)

@@ -8,6 +8,8 @@ PLAN.json is a list of operations that every rank runs in order:
     {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
     {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
     {"split_rows": out}                        the Hugging Face adapter on experts whose rows two ranks split
+    {"host_syncs": [override, ...], "out": path}  a 3-step run; rank 0 writes the host syncs of each training
+                                               step that logs nothing (steps 2 and 3) as a JSON list
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
 Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared.
 Tests launch a plan with `spawn_ranks.torchrun_plan`.
@@ -42,6 +44,34 @@ def train(overrides: list[str]) -> None:
         trainer.close()
         del trainer
         gc.collect()
+
+
+def host_syncs(overrides: list[str], out: str) -> None:
+    """Count the host syncs (tests/host_reads.py) inside each train_step that does not log."""
+    from host_reads import HostSyncs
+
+    trainer = MoETrainer(prepare(["--job.config_file", DEBUG, "--metrics.disable_color_printing", "--training.steps",
+                                  "3", "--metrics.log_freq", "100", "--checks.monitor_freq", "0", *overrides]))
+    counts, step = [], trainer.train_step
+
+    def counted(data_iterator):
+        if trainer.metrics_processor.should_log(trainer.step):  # step 1: logging reads the loss back
+            return step(data_iterator)
+        # The batches first: the synthetic stream is made on the host (a GPU run's loader too).
+        batches = iter([next(data_iterator) for _ in range(trainer.gradient_accumulation_steps)])
+        with HostSyncs() as syncs:
+            step(batches)
+        counts.append(syncs.count)
+
+    trainer.train_step = counted
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        del trainer
+        gc.collect()
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(counts))
 
 
 def refused(overrides: list[str], out: str) -> None:
@@ -121,6 +151,8 @@ def main(plan_path: str) -> int:
         with output_to(op.get("log")):
             if "train" in op:
                 train(op["train"])
+            elif "host_syncs" in op:
+                host_syncs(op["host_syncs"], op["out"])
             elif "refused" in op:
                 refused(op["refused"], op["out"])
             elif dist.get_rank() == 0 and "copy" in op:

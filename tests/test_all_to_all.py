@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from host_reads import HostReads
+from host_reads import HostReads, HostSyncs
 from numerics import assert_close_to_max
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -155,19 +155,6 @@ def test_dispatch_and_combine_issue_few_host_ops():
     # The forward dispatch runs on the host path between the router and the experts' GEMMs, with
     # a host sync in it: every op there is a launch the GPU may wait for.
     run_ranks(host_ops_worker, 1)
-
-
-class HostSyncs(HostReads):
-    """HostReads, plus `Tensor.tolist()` (a host sync that does not dispatch)."""
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        torch.Tensor.tolist = lambda t: (setattr(self, "count", self.count + 1), self._tolist(t))[1]
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
 
 
 def host_syncs_worker(rank: int, world: int, port: int, failures):

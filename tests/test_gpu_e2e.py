@@ -27,7 +27,6 @@ from numerics import assert_close_to_max
 from spawn_ranks import rank_group, run_ranks
 from spawn_ranks import train_debug as train
 from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
-from spawn_ranks import train_debug as train
 
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 

@@ -1,0 +1,28 @@
+"""A training step reads at most 2 values back to the host besides logging (issue 21): with
+`[dispatch] buffers = "worst_case"` the EP = 2 step has no per-layer split-size sync. Counted on
+CPU/gloo (tests/host_reads.py: each read there is a host sync on a GPU), over the whole train_step
+(forward, backward, clipping, optimizer and expert-bias update) of steps that log nothing.
+Measured: 1 (torchtitan's global token count, `dist_sum(...).item()` in its train_step) with worst-case
+buffers; 1 + one per MoE layer with exact ones."""
+
+import json
+
+import pytest
+import torch
+from spawn_ranks import torchrun_plan
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo count")]
+
+MAX_SYNCS_PER_STEP = 2
+LAYERS = 4  # the debug flavor's
+
+
+def test_a_training_step_syncs_with_the_host_at_most_twice(tmp_path):
+    ep2 = ["--parallelism.expert_parallel_degree", "2"]
+    plan = [{"host_syncs": [*ep2, "--dispatch.buffers", b, "--job.dump_folder", str(tmp_path / b)],
+             "out": str(tmp_path / f"{b}.json")} for b in ("worst_case", "exact")]
+    torchrun_plan(plan, tmp_path)
+    worst, exact = (json.loads((tmp_path / f"{b}.json").read_text()) for b in ("worst_case", "exact"))
+    assert len(worst) == 2 and all(n <= MAX_SYNCS_PER_STEP for n in worst), worst
+    # The exact buffers read each layer's split sizes once: the count tells them apart.
+    assert all(n == w + LAYERS for n, w in zip(exact, worst)), (exact, worst)

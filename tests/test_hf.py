@@ -142,3 +142,19 @@ def test_to_hf_refuses_what_hf_cannot_express(tmp_path, capsys):
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), out, "--flavor", "30b-a3b"]) == 2
     assert "n_layers 4 vs 48" in capsys.readouterr().err
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), out, "--flavor", "debug", "--drop-expert-bias"]) == 0
+
+
+def test_convert_refuses_a_non_empty_output_folder_unless_forced(tmp_path, capsys):
+    model = build_ours(flavor_args("debug"))
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(out), "--flavor", "debug"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"convert: error: {out} is not empty: choose a new output folder, or pass --force to write into it"]
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # nothing written
+    assert convert.main(["from-hf", str(out), str(tmp_path / "ckpt")]) == 2  # the other way too
+    assert "is not empty" in capsys.readouterr().err
+    assert convert.main(["to-hf", str(tmp_path / "ckpt"), str(out), "--flavor", "debug", "--force"]) == 0
+    assert (out / "config.json").is_file() and (out / "notes.txt").read_text() == "mine"

@@ -301,12 +301,23 @@ def parse(argv: list[str] | None):
     into.add_argument("hf_folder")
     into.add_argument("out", help="the DCP checkpoint folder to write")
     into.add_argument("--dtype", choices=DTYPES, help="cast the weights (default: as stored)")
+    for sub_parser in (out, into):
+        sub_parser.add_argument("--force", action="store_true", help="write into an output folder that is not empty")
     return parser.parse_args(argv)
+
+
+def check_output_folder(out: str, force: bool) -> None:
+    """Refuse to write among files already there (an earlier export, a checkpoint) unless told to."""
+    if os.path.isdir(out) and os.listdir(out) and not force:
+        raise ConvertError(f"{out} is not empty: choose a new output folder, or pass --force to write into it")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConvertError(f"{out} is a file: the output must be a folder")
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     try:
+        check_output_folder(opts.out, opts.force)
         if opts.direction == "to-hf":
             args = resolve_args(opts.checkpoint, opts)
             to_hf(opts.checkpoint, opts.out, args, DTYPES[opts.dtype], opts.drop_expert_bias,

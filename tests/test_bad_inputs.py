@@ -21,8 +21,8 @@ DEBUG = str(ROOT / "configs" / "debug.toml")
 
 # (section, key, bad value, what the one line must say). Each runs twice: in the TOML and as a flag.
 VALUES = [
-    ("optimizer", "lr", -1.0, "[optimizer] lr = -1.0: must be a number > 0"),
-    ("optimizer", "lr", 0.0, "[optimizer] lr = 0.0: must be a number > 0"),
+    ("optimizer", "lr", -1.0, "[optimizer] lr = -1.0: must be a number >= 0"),
+    ("optimizer", "lr", float("inf"), "[optimizer] lr = inf: must be a number >= 0"),
     ("optimizer", "beta1", 1.0, "[optimizer] beta1 = 1.0: must be in [0, 1)"),
     ("optimizer", "beta2", -0.5, "[optimizer] beta2 = -0.5: must be in [0, 1)"),
     ("optimizer", "eps", 0.0, "[optimizer] eps = 0.0: must be > 0"),
@@ -173,5 +173,5 @@ def test_the_launcher_prints_a_refusal_in_one_line_and_launches_nothing(tmp_path
     result = subprocess.run(["bash", "scripts/train.sh", DEBUG, "--optimizer.lr", "-1", "--job.dump_folder",
                              str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert (result.stdout + result.stderr).strip().splitlines() == ["config error: [optimizer] lr = -1.0: must be a number > 0"]
+    assert (result.stdout + result.stderr).strip().splitlines() == ["config error: [optimizer] lr = -1.0: must be a number >= 0"]
     assert not any(tmp_path.iterdir())  # no worker started

@@ -22,7 +22,8 @@ def _finite(value: Any) -> bool:
 def check_torchtitan_keys(cfg: Any, world_size: int | None = None) -> None:
     """[optimizer], [lr_scheduler], [training], [checkpoint] and [metrics] values that cannot train."""
     opt, sched, train, ck = cfg.optimizer, cfg.lr_scheduler, cfg.training, cfg.checkpoint
-    _need(_finite(opt.lr) and opt.lr > 0, f"[optimizer] lr = {opt.lr}: must be a number > 0")
+    # lr = 0 is allowed: a run that must not move the weights (tests of resume and loading use it).
+    _need(_finite(opt.lr) and opt.lr >= 0, f"[optimizer] lr = {opt.lr}: must be a number >= 0")
     for key in ("beta1", "beta2"):
         beta = getattr(opt, key)
         _need(_finite(beta) and 0 <= beta < 1, f"[optimizer] {key} = {beta}: must be in [0, 1)")

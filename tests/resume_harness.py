@@ -36,8 +36,11 @@ from torchtitan_moe.train import MoETrainer, prepare
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
 
 
-def train(overrides: list[str]) -> None:
+def train(overrides: list[str], adapt=None) -> None:
+    """A run from scratch; `adapt(trainer)`, if given, changes the trainer before it trains."""
     trainer = MoETrainer(prepare(["--job.config_file", DEBUG, "--metrics.disable_color_printing", *overrides]))
+    if adapt is not None:
+        adapt(trainer)
     try:
         trainer.train()
     finally:
@@ -50,26 +53,23 @@ def host_syncs(overrides: list[str], out: str) -> None:
     """Count the host syncs (tests/host_reads.py) inside each train_step that does not log."""
     from host_reads import HostSyncs
 
-    trainer = MoETrainer(prepare(["--job.config_file", DEBUG, "--metrics.disable_color_printing", "--training.steps",
-                                  "3", "--metrics.log_freq", "100", "--checks.monitor_freq", "0", *overrides]))
-    counts, step = [], trainer.train_step
+    counts = []
 
-    def counted(data_iterator):
-        if trainer.metrics_processor.should_log(trainer.step):  # step 1: logging reads the loss back
-            return step(data_iterator)
-        # The batches first: the synthetic stream is made on the host (a GPU run's loader too).
-        batches = iter([next(data_iterator) for _ in range(trainer.gradient_accumulation_steps)])
-        with HostSyncs() as syncs:
-            step(batches)
-        counts.append(syncs.count)
+    def count_steps(trainer) -> None:
+        step = trainer.train_step
 
-    trainer.train_step = counted
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        del trainer
-        gc.collect()
+        def counted(data_iterator):
+            if trainer.metrics_processor.should_log(trainer.step):  # step 1: logging reads the loss back
+                return step(data_iterator)
+            # The batches first: the synthetic stream is made on the host (a GPU run's loader too).
+            batches = iter([next(data_iterator) for _ in range(trainer.gradient_accumulation_steps)])
+            with HostSyncs() as syncs:
+                step(batches)
+            counts.append(syncs.count)
+
+        trainer.train_step = counted
+
+    train(["--training.steps", "3", "--metrics.log_freq", "100", "--checks.monitor_freq", "0", *overrides], count_steps)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(counts))
 

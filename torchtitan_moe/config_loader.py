@@ -33,10 +33,6 @@ def cli_value(argv: list[str], key: str) -> str | None:
     return None
 
 
-def config_file_arg(argv: list[str]) -> str | None:
-    return cli_value(argv, "job.config_file")
-
-
 def read_toml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--job.config_file {path}: no such file")
@@ -62,7 +58,7 @@ def load_job_config(argv: list[str] | None = None, world_size: int | None = None
     from torchtitan_moe.models.qwen3_moe import FLAVORS
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    path = config_file_arg(argv)
+    path = cli_value(argv, "job.config_file")
     toml_values = read_toml(path) if path else {}
     config_cls = merged_config_class()
     check_structure(toml_values, config_cls, path or "config")

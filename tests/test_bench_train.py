@@ -46,13 +46,23 @@ def test_loss_agreement_compares_compiled_with_eager_at_the_last_step_and_over_a
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; GPU results are in the worklogs")
 def test_cpu_run_writes_the_table(tmp_path):
-    code = main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager",
-                 "--steps", "4", "--warmup", "1", "--nproc", "2", "--out", str(tmp_path)])
+    code = main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager", "--routers",
+                 "learned", "--grad-accum", "1,2", "--steps", "4", "--warmup", "1", "--nproc", "2",
+                 "--out", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "bench_train.json").read_text())
-    assert set(results) == {"ours/local learned eager", "ours/local balanced eager"}
+    assert set(results) == {"ours/local learned eager", "ours/local learned eager accum 2"}
     assert all(r["steps"] == 4 and r["tps"] > 0 for r in results.values())
-    assert "| ours/local balanced eager |" in (tmp_path / "bench_train.md").read_text()
+    assert "| ours/local learned eager accum 2 |" in (tmp_path / "bench_train.md").read_text()
+    # Accumulating 2 micro-batches: each step sees twice the tokens (2 x 8 x 128 x top-2 per rank and layer).
+    slug = "ours_local_learned_eager_accum_2"
+    records = [json.loads(line) for line in (tmp_path / slug / "metrics.jsonl").read_text().splitlines()]
+    assert all(sum(layer) == 2 * 2 * 8 * 128 * 2 for layer in records[-1]["moe/tokens_per_expert"])
+
+
+def test_variants_with_accumulation_set_torchtitans_global_batch():
+    assert Variant("local", "learned", "eager").global_batch(2, 8) == []
+    assert Variant("local", "learned", "eager", accum=8).global_batch(2, 8) == ["--training.global_batch_size", "128"]
 
 
 def test_plot_losses_labels_every_curve_and_gives_its_gap_to_the_first(tmp_path):

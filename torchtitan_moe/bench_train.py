@@ -2,7 +2,7 @@
 
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
-        [--modes eager,compiled] [--profile] [--out DIR] [-- --section.key value ...]
+        [--modes eager,compiled] [--grad-accum 1,8] [--profile] [--out DIR] [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
@@ -24,6 +24,7 @@ top kernels (torchtitan_moe.step_profile).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import statistics
@@ -48,11 +49,16 @@ class Variant:
     model: str  # "torchtitan" or one of our dispatchers
     router: str
     mode: str
+    accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
 
     @property
     def name(self) -> str:
         model = "torchtitan" if self.model == "torchtitan" else f"ours/{self.model}"
-        return f"{model} {self.router} {self.mode}"
+        return f"{model} {self.router} {self.mode}" + (f" accum {self.accum}" if self.accum > 1 else "")
+
+    def global_batch(self, local_batch: int, nproc: int) -> list[str]:
+        """torchtitan's global batch for this variant's accumulation (every process is a data-parallel rank)."""
+        return [] if self.accum == 1 else ["--training.global_batch_size", str(local_batch * nproc * self.accum)]
 
     def overrides(self) -> list[str]:
         ours = self.model != "torchtitan"
@@ -112,8 +118,8 @@ def table(variants: list[Variant], results: dict[str, dict]) -> str:
         if "failed" in r:
             lines.append(f"| {v.name} | failed: {r['failed']} | | | | | | |")
             continue
-        eager = results.get(Variant("torchtitan", v.router, "eager").name)
-        compiled = results.get(Variant("torchtitan", v.router, "compiled").name)
+        eager = results.get(dataclasses.replace(v, model="torchtitan", mode="eager").name)
+        compiled = results.get(dataclasses.replace(v, model="torchtitan", mode="compiled").name)
         mfu = f"{r['mfu']:.1f}%" if "mfu" in r else "-"
         lines.append(f"| {v.name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {mfu} | {r['memory_gib']:.1f} | "
                      f"{r['final_loss']:.4f} | {ratio(r['tps'], eager)} | {ratio(r['tps'], compiled)} |")
@@ -134,11 +140,11 @@ def loss_agreement(variants: list[Variant], results: dict[str, dict]) -> str:
     for v in variants:
         if v.mode != "eager":
             continue
-        eager, compiled = results.get(v.name, {}), results.get(Variant(v.model, v.router, "compiled").name, {})
+        eager, compiled = results.get(v.name, {}), results.get(dataclasses.replace(v, mode="compiled").name, {})
         if "losses" not in eager or "losses" not in compiled:
             continue
         n, last, window = loss_gap(eager["losses"], compiled["losses"])
-        lines.append(f"| {v.name.removesuffix(' eager')} | {n} | {eager['losses'][n - 1]:.4f} | "
+        lines.append(f"| {v.name.replace(' eager', '')} | {n} | {eager['losses'][n - 1]:.4f} | "
                      f"{compiled['losses'][n - 1]:.4f} | {last:+.2%} | {window:+.2%} |")
     if not lines:
         return ""
@@ -174,10 +180,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--models", default=None, help=f"comma list of {', '.join(MODELS)} (default: all that run here)")
     parser.add_argument("--routers", default="learned,balanced")
     parser.add_argument("--modes", default="eager,compiled")
+    parser.add_argument("--grad-accum", default="1",
+                        help="comma list of micro-batches per step, e.g. 1,8 (global batch = local x processes x N)")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)
     args.extra = extra
+    try:
+        args.grad_accum = [int(n) for n in args.grad_accum.split(",")]
+    except ValueError:
+        args.grad_accum = [0]
+    if min(args.grad_accum) < 1:
+        parser.error(f"--grad-accum {','.join(map(str, args.grad_accum))}: expected a comma list of integers >= 1")
     for key, allowed in (("routers", ROUTERS), ("modes", MODES), ("models", MODELS)):
         value = getattr(args, key)
         if value is not None and not set(value.split(",")) <= set(allowed):
@@ -185,20 +199,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def expert_parallel_degree(config: str, extra: list[str]) -> int:
-    from torchtitan_moe.config_loader import read_toml
+def config_value(config: str, extra: list[str], key: str, default: int) -> int:
+    """An integer `section.key` as the run will see it: the overrides first, then the TOML."""
+    from torchtitan_moe.config_loader import cli_value, read_toml
 
-    for i, arg in enumerate(extra[:-1]):
-        if arg == "--parallelism.expert_parallel_degree":
-            return int(extra[i + 1])
-    return read_toml(config).get("parallelism", {}).get("expert_parallel_degree", 1)
+    value = cli_value(extra, key)
+    if value is not None:
+        return int(value)
+    section, name = key.split(".")
+    return read_toml(config).get(section, {}).get(name, default)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     nproc = args.nproc or max(torch.cuda.device_count(), 1)
-    models = args.models.split(",") if args.models else available_models(expert_parallel_degree(args.config, args.extra))
-    variants = [Variant(m, r, mode) for m in models for r in args.routers.split(",") for mode in args.modes.split(",")]
+    ep = config_value(args.config, args.extra, "parallelism.expert_parallel_degree", 1)
+    local_batch = config_value(args.config, args.extra, "training.local_batch_size", 8)  # torchtitan's default
+    models = args.models.split(",") if args.models else available_models(ep)
+    variants = [Variant(m, r, mode, n) for n in args.grad_accum for m in models for r in args.routers.split(",")
+                for mode in args.modes.split(",")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
@@ -207,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         dump, log = out / slug, out / f"{slug}.log"
         (dump / "metrics.jsonl").unlink(missing_ok=True)
         print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes", flush=True)
-        overrides = [*v.overrides(), "--training.steps", str(args.steps), "--metrics.log_freq", "1",
+        overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
+                     "--metrics.log_freq", "1",
                      *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
         code = run_training(args.config, dump, overrides, nproc, log)
         if code != 0 or not (dump / "metrics.jsonl").exists():

@@ -88,6 +88,10 @@ class Router:
     force_balance: bool = False
     """Ignore the scores and send tokens round-robin over experts (benchmarks only)."""
 
+    gate_precision: Literal["float32", "param"] = "float32"
+    """The gate's matrix product: 'float32' from fp32 weights (its own FSDP2 group), or 'param':
+    in [training] mixed_precision_param, as torchtitan's Qwen3 does (scores in fp32 either way)."""
+
 
 @dataclass
 class Dispatch:
@@ -123,6 +127,10 @@ class Checks:
     monitor_freq: int = 10
     """Run the training-health monitors every N steps (0: off)."""
 
+    init_fingerprint: bool = False
+    """Write <dump_folder>/init_fingerprint.json before step 1: per weight, in torchtitan's Qwen3
+    names, its sum and sum of squares in float64 (the parity harness checks runs start alike)."""
+
 
 @dataclass
 class Data:
@@ -142,6 +150,10 @@ class Model:
     """A Hugging Face model folder: [checkpoint] initial_load_in_hf without initial_load_path loads its
     weights, and its model.safetensors.index.json (if any) shards a last_save_in_hf export the same
     way. The tokenizer comes from [data], not from here."""
+
+    init_from: Literal["own", "qwen3_moe"] = "own"
+    """The weights the torchtitan_qwen3_moe baseline starts from: its own init, or the one our
+    qwen3_moe model makes from the same seed (parity against torchtitan). Ours: 'own' only."""
 
 
 @dataclass
@@ -318,6 +330,9 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
         cfg.model.flavor in flavors,
         f"[model] flavor = {cfg.model.flavor!r}: expected one of {', '.join(repr(f) for f in flavors)}",
     )
+    _need(cfg.model.init_from == "own" or cfg.model.name == "torchtitan_qwen3_moe",
+          f"[model] init_from = {cfg.model.init_from!r} is for the torchtitan_qwen3_moe baseline; "
+          f"{cfg.model.name!r} starts from its own init ('own')")
     args = flavors[cfg.model.flavor].moe
     moe, router, par = cfg.moe, cfg.router, cfg.parallelism
     num_experts = moe.num_experts if moe.num_experts is not None else args.num_experts

@@ -2,17 +2,26 @@
 
     python -m torchtitan_moe.parity CONFIG --vary parallelism.expert_parallel_degree=1,2,4 \\
         [--vary other.key=a,b] [--steps 20] [--nproc N] [--loss-rtol 1e-5] [--grad-rtol 1e-5] \\
-        [--deterministic] [--out DIR] [-- --section.key value ...]
+        [--seed checkpoint|init] [--deterministic] [--out DIR] [-- --section.key value ...]
+    python -m torchtitan_moe.parity CONFIG --against torchtitan [--steps 200] [-- overrides]
 
 1. One process writes a seed checkpoint (step 0) of the model, kept under --out in a folder
    named by a hash of the model args and the seed (`seed-<key>`, with `model_args.json`): a
    seed made for another model is never reused.
 2. Each setting (the product of the --vary lists) trains `--steps` steps on `--nproc`
    processes, loading that seed (`checkpoint.initial_load_path`, `load_only`): the same
-   weights and, with the same process count, the same data on every rank.
+   weights and, with the same process count, the same data on every rank. With `--seed init`
+   there is no checkpoint: every setting initializes from `[debug] seed` (our init is a single
+   process's on the same device type, whatever the mesh) and writes a fingerprint of its
+   starting weights, which must equal the first setting's.
 3. A per-step table of loss, grad norm, aux loss and expert load, the max relative
    differences to the first setting, a PNG plot and `parity.md` go to --out; the exit status
    is 1 when a difference is outside the tolerance.
+
+`--against torchtitan` trains torchtitan 0.2.2's own Qwen3-MoE from our init (`[model] init_from`)
+and ours switched to its behaviour (AS_TORCHTITAN): loss within 1% and grad norm within 5% at
+every step. Then each difference is switched back on alone, then ours as configured, then
+torchtitan from its own init: a table of losses at step 30 and at the end attributes the gap.
 
 Doubled or halved gradients under expert parallelism (a known failure of EP stacks) show up
 as a grad-norm ratio of 2 from step 1. Settings whose losses equal the first setting's to the
@@ -30,6 +39,7 @@ import itertools
 import statistics
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -45,6 +55,12 @@ SPEED_WARMUP = 5  # steps left out of the speed summary (compilation, allocator 
 class Setting:
     name: str  # e.g. "ep=2"
     values: list[tuple[str, str]]  # e.g. [("parallelism.expert_parallel_degree", "2")]
+    checked: bool = True  # False: shown for attribution, outside the verdict
+    same_init: bool = True  # must start from the first setting's weights (--seed init)
+
+    @property
+    def folder(self) -> str:
+        return re.sub(r"[^A-Za-z0-9_.+-]+", "_", self.name.replace("=", "")).strip("_")
 
     @property
     def overrides(self) -> list[str]:
@@ -64,6 +80,51 @@ def settings_from(varies: list[str]) -> list[Setting]:
         short = ",".join(f"{k.split('.')[-1].replace('expert_parallel_degree', 'ep')}={v}" for k, v in combo)
         result.append(Setting(short, list(combo)))
     return result
+
+
+# Our model with torchtitan 0.2.2's Qwen3-MoE behaviour, where the two differ in more than rounding.
+AS_TORCHTITAN = {
+    "router.bias_update_rate": "0",  # its expert bias is never updated
+    "router.gate_precision": "param",  # its gate is a bf16 matrix product
+    "kernels.backend": "torch",  # its loss: cross-entropy over fp32 logits (ours fuses it over bf16 logits)
+    "router.balance_loss": "none",  # it has no balance loss ...
+    "router.balance_loss_coeff": "0",
+    "router.z_loss_coeff": "0",  # ... and no z-loss
+}
+
+
+def against_torchtitan(config: str, extra: list[str]) -> list[Setting]:
+    """torchtitan's Qwen3-MoE from our init; ours switched to its behaviour (the parity check);
+    then each difference switched back to the config's value alone, ours as configured, and
+    torchtitan from its own init (the attribution of the gap between the two models)."""
+    from torchtitan_moe.config_loader import load_job_config
+
+    job = load_job_config(["--job.config_file", config, *extra])
+    configured = {key: str(getattr(getattr(job, key.split(".")[0]), key.split(".")[1])) for key in AS_TORCHTITAN}
+    differences = [
+        ("+ expert-bias update", ["router.bias_update_rate"]),
+        ("+ fp32 gate", ["router.gate_precision"]),
+        ("+ our kernels and loss", ["kernels.backend"]),
+        ("+ balance and z losses", ["router.balance_loss", "router.balance_loss_coeff", "router.z_loss_coeff"]),
+    ]
+    as_tt = list(AS_TORCHTITAN.items())
+    torchtitan = [("model.name", "torchtitan_qwen3_moe")]
+    settings = [Setting("torchtitan", [*torchtitan, ("model.init_from", "qwen3_moe")]),
+                Setting("ours as torchtitan", as_tt)]
+    for name, keys in differences:
+        if any(_differs(configured[k], AS_TORCHTITAN[k]) for k in keys):
+            settings.append(Setting(name, [(k, configured[k] if k in keys else v) for k, v in as_tt], checked=False))
+    if len(settings) > 3:
+        settings.append(Setting("ours", [(k, configured[k]) for k in AS_TORCHTITAN], checked=False))
+    settings.append(Setting("torchtitan, own init", torchtitan, checked=False, same_init=False))
+    return settings
+
+
+def _differs(a: str, b: str) -> bool:
+    try:
+        return float(a) != float(b)
+    except ValueError:
+        return a != b
 
 
 def override(key: str, value: str) -> list[str]:
@@ -169,13 +230,15 @@ def load_shares(record: dict) -> torch.Tensor:
 def compare(name: str, base: list[dict], other: list[dict]) -> Comparison:
     if [r["step"] for r in base] != [r["step"] for r in other]:
         raise SystemExit(f"parity: {name} logged other steps than the baseline")
-    aux = [rel_diff(a["moe/aux_loss"], b["moe/aux_loss"]) for a, b in zip(base, other) if "moe/aux_loss" in a]
+    aux = [rel_diff(a["moe/aux_loss"], b["moe/aux_loss"]) for a, b in zip(base, other)
+           if "moe/aux_loss" in a and "moe/aux_loss" in b]
     return Comparison(
         name=name,
         loss=max(rel_diff(a["loss"], b["loss"]) for a, b in zip(base, other)),
         grad_norm=max(rel_diff(a["grad_norm"], b["grad_norm"]) for a, b in zip(base, other)),
         aux_loss=max(aux) if aux else None,
-        load=max(float((load_shares(a) - load_shares(b)).abs().max()) for a, b in zip(base, other)),
+        load=max((float((load_shares(a) - load_shares(b)).abs().max()) for a, b in zip(base, other)
+                  if "moe/tokens_per_expert" in a and "moe/tokens_per_expert" in b), default=float("nan")),
         loss_bitwise=all(a["loss"] == b["loss"] for a, b in zip(base, other)),
     )
 
@@ -200,10 +263,11 @@ def load_cv(record: dict) -> float:
     return float((shares.std(dim=1, unbiased=False) / shares.mean(dim=1)).max())
 
 
-def table(names: list[str], runs: list[list[dict]], comparisons: list[Comparison], args) -> str:
+def table(names: list[str], runs: list[list[dict]], comparisons: list[Comparison], args,
+          checked: list[bool] | None = None) -> str:
     """A markdown table: per step, each setting's loss and grad norm; then the summary."""
     head = ["step"] + [f"loss {n}" for n in names] + [f"grad_norm {n}" for n in names]
-    has_aux = "moe/aux_loss" in runs[0][0]
+    has_aux = all("moe/aux_loss" in run[0] for run in runs)
     head += [f"aux {n}" for n in names] if has_aux else []
     head += [f"load cv {n}" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -212,13 +276,13 @@ def table(names: list[str], runs: list[list[dict]], comparisons: list[Comparison
         cells += [f"{run[i]['loss']:.7f}" for run in runs]
         cells += [f"{run[i]['grad_norm']:.6f}" for run in runs]
         cells += [f"{run[i]['moe/aux_loss']:.6f}" for run in runs] if has_aux else []
-        cells += [f"{load_cv(run[i]):.4f}" for run in runs]
+        cells += [f"{load_cv(run[i]):.4f}" if "moe/tokens_per_expert" in run[i] else "-" for run in runs]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", f"max relative difference to {names[0]} (tolerance: loss {args.loss_rtol:g}, grad norm {args.grad_rtol:g}):", ""]
     lines += ["| setting | loss | grad norm | aux loss | expert share (abs) | loss bitwise | verdict |", "|---|---|---|---|---|---|---|"]
-    for c in comparisons:
+    for c, check in zip(comparisons, checked or [True] * len(comparisons)):
         aux = "-" if c.aux_loss is None else f"{c.aux_loss:.2e}"
-        verdict = "ok" if c.ok(args.loss_rtol, args.grad_rtol) else "OUTSIDE TOLERANCE"
+        verdict = ("ok" if c.ok(args.loss_rtol, args.grad_rtol) else "OUTSIDE TOLERANCE") if check else "(attribution)"
         lines.append(f"| {c.name} | {c.loss:.2e} | {c.grad_norm:.2e} | {aux} | {c.load:.2e} | "
                      f"{'=' if c.loss_bitwise else 'no'} | {verdict} |")
     lines += ["", f"speed, median of steps after {SPEED_WARMUP} (bench_train is the benchmark):", "",
@@ -268,17 +332,36 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     argv, extra = split_overrides(argv)
     parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("config")
-    parser.add_argument("--vary", action="append", required=True, help="section.key=v1,v2,... (repeatable)")
+    parser.add_argument("--vary", action="append", default=[], help="section.key=v1,v2,... (repeatable)")
+    parser.add_argument("--against", choices=["torchtitan"], default=None,
+                        help="torchtitan 0.2.2's Qwen3-MoE from our init against ours switched to its behaviour, "
+                             "then each difference switched back (implies --seed init; tolerances 1%% and 5%%)")
+    parser.add_argument("--only", action="append", default=[],
+                        help="with --against: train only this setting besides the first (repeatable; e.g. to "
+                             "split the runs over several sessions)")
+    parser.add_argument("--seed", choices=["checkpoint", "init"], default=None,
+                        help="checkpoint: every setting loads one seed checkpoint (default); init: every setting "
+                             "initializes from [debug] seed on its own device layout, and the harness checks that "
+                             "their weights agree (seconds, not a checkpoint of the whole model)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--nproc", type=int, default=None, help="processes per setting (default: GPUs, else the largest EP)")
-    parser.add_argument("--loss-rtol", type=float, default=1e-5)
-    parser.add_argument("--grad-rtol", type=float, default=1e-5)
+    parser.add_argument("--loss-rtol", type=float, default=None, help="default 1e-5 (--against: 0.01)")
+    parser.add_argument("--grad-rtol", type=float, default=None, help="default 1e-5 (--against: 0.05)")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch deterministic algorithms in every run; the first setting is trained twice "
                              "and must repeat bitwise")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--out", default=None, help="default: outputs/parity/<config name>")
     args = parser.parse_args(argv)
+    if bool(args.vary) == bool(args.against):
+        parser.error("give --vary (settings to compare) or --against torchtitan, not both")
+    if args.only and not args.against:
+        parser.error("--only picks among the --against settings")
+    if args.against and args.seed == "checkpoint":
+        parser.error("--against torchtitan starts both models from one init: --seed checkpoint does not apply")
+    args.seed = args.seed or ("init" if args.against else "checkpoint")
+    args.loss_rtol = args.loss_rtol if args.loss_rtol is not None else (0.01 if args.against else 1e-5)
+    args.grad_rtol = args.grad_rtol if args.grad_rtol is not None else (0.05 if args.against else 1e-5)
     args.extra = extra
     return args
 
@@ -290,10 +373,47 @@ def default_nproc(settings: list[Setting]) -> int:
     return max([2, *eps])
 
 
+def read_fingerprint(dump: Path) -> dict[str, list[float]]:
+    path = dump / "init_fingerprint.json"
+    if not path.exists():
+        raise SystemExit(f"parity: {path} was not written (--checks.init_fingerprint)")
+    return json.loads(path.read_text())
+
+
+def fingerprint_difference(base: dict, other: dict, rtol: float = 1e-9) -> str | None:
+    """None where both runs started from the same weights, else the first weight that differs."""
+    if set(base) != set(other):
+        return f"other weights: {sorted(set(base) ^ set(other))[:4]}"
+    for name in sorted(base):
+        if any(rel_diff(a, b) > rtol for a, b in zip(base[name], other[name])):
+            return f"{name}: sum, sum of squares {base[name]} vs {other[name]}"
+    return None
+
+
+def attribution(names: list[str], runs: list[list[dict]], steps: tuple[int, ...] = (30,)) -> str:
+    """Loss of each setting at step 30 and at the last step, and its difference to the first's."""
+    last = runs[0][-1]["step"]
+    marks = [s for s in steps if s < last] + [last]
+    head = ["setting"] + [f"loss @{s}" for s in marks] + [f"- {names[0]} @{s}" for s in marks]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, run in zip(names, runs):
+        at = {r["step"]: r["loss"] for r in run}
+        base = {r["step"]: r["loss"] for r in runs[0]}
+        cells = [f"{at[s]:.4f}" if s in at else "-" for s in marks]
+        cells += [f"{at[s] - base[s]:+.4f}" if s in at and s in base else "-" for s in marks]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    settings = settings_from(args.vary)
+    settings = against_torchtitan(args.config, args.extra) if args.against else settings_from(args.vary)
+    if args.only:
+        unknown = set(args.only) - {s.name for s in settings}
+        if unknown:
+            raise SystemExit(f"parity: --only {sorted(unknown)}: expected among {[s.name for s in settings[1:]]}")
+        settings = [settings[0], *(s for s in settings[1:] if s.name in args.only)]
     nproc = args.nproc or default_nproc(settings)
     out = Path(args.out or Path("outputs") / "parity" / Path(args.config).stem)
     out.mkdir(parents=True, exist_ok=True)
@@ -302,21 +422,40 @@ def main(argv: list[str] | None = None) -> int:
     common = [] if "--dispatch.backend" in varied else ["--dispatch.backend", "auto"]
     # Ops without a deterministic implementation only warn: the bitwise repeat is the verdict.
     common += ["--debug.deterministic", "--debug.deterministic_warn_only"] if args.deterministic else []
+    common += ["--metrics.log_freq", "1"] if args.against else []  # every step is compared
+    common += ["--checks.init_fingerprint"] if args.seed == "init" else []
     common += args.extra
 
     def train(s: Setting, dump: Path) -> list[dict]:
-        seed_ckpt = seed_checkpoint(args.config, out, [*common, *s.overrides])
-        (dump / "metrics.jsonl").unlink(missing_ok=True)
+        start = []
+        if args.seed == "checkpoint":
+            seed_ckpt = seed_checkpoint(args.config, out, [*common, *s.overrides])
+            start = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only"]
+        for stale in ("metrics.jsonl", "init_fingerprint.json"):
+            (dump / stale).unlink(missing_ok=True)
         print(f"parity: {s.name} on {nproc} processes, {args.steps} steps", flush=True)
-        launch(args.config, dump, [*common, *s.overrides, "--training.steps", str(args.steps), "--checkpoint.enable",
-                                   "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only"],
+        launch(args.config, dump, [*common, *s.overrides, "--training.steps", str(args.steps), *start],
                nproc, out / f"{dump.name}.log")
         return read_metrics(dump)
 
-    runs = [train(s, out / s.name.replace("=", "").replace(",", "_")) for s in settings]
+    dumps = [out / s.folder for s in settings]
+    runs = [train(s, dump) for s, dump in zip(settings, dumps)]
     names = [s.name for s in settings]
     comparisons = [compare(n, runs[0], run) for n, run in zip(names[1:], runs[1:])]
-    report = table(names, runs, comparisons, args)
+    checked = [c for c, s in zip(comparisons, settings[1:]) if s.checked]
+    report = table(names, runs, comparisons, args, [s.checked for s in settings[1:]])
+    starts_ok = True
+    if args.seed == "init":
+        base = read_fingerprint(dumps[0])
+        for s, dump in zip(settings[1:], dumps[1:]):
+            diff = fingerprint_difference(base, read_fingerprint(dump))
+            same = diff is None
+            starts_ok &= same == s.same_init
+            report += (f"\n\nstart: {s.name} " + ("from the same weights as " + names[0] if same else f"from other weights ({diff})")
+                       + ("" if same == s.same_init else "  <- WRONG"))
+    if args.against:
+        report += "\n\nloss of each setting (attribution of the gap; each '+' row is ours as torchtitan with one "
+        report += "difference switched back to the config's value):\n\n" + attribution(names, runs)
     repeat_ok = True
     if args.deterministic:
         repeat = train(settings[0], out / "repeat")
@@ -329,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_plot:
         plot(names, runs, out / "parity.png")
         print(f"parity: plot {out / 'parity.png'}")
-    ok = repeat_ok and all(c.ok(args.loss_rtol, args.grad_rtol) for c in comparisons)
+    ok = starts_ok and repeat_ok and all(c.ok(args.loss_rtol, args.grad_rtol) for c in checked)
     print("parity: " + ("all settings within tolerance" if ok else "OUTSIDE TOLERANCE"))
     return 0 if ok else 1
 

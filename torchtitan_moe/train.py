@@ -22,6 +22,7 @@ from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.config_loader import load_job_config
 from torchtitan_moe.models import qwen3_moe
+from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.torchtitan_compat import (
@@ -78,6 +79,8 @@ class MoETrainer(Trainer):
         # before step 1: the only point where the weights training starts from are in place
         # without copying train(). The checks must see them (a zero-init run fails, a resumed
         # healthy run passes), so they run here.
+        if self.job_config.checks.init_fingerprint and self.step == 0:
+            write_init_fingerprint(self.model_parts[0], self.job_config.job.dump_folder)
         self.check_router_init()
         return super().batch_generator(data_iterable)
 

@@ -6,15 +6,30 @@ and tokenizer, so `bench_train` and the parity harness compare both stacks on th
 tokens. Our [moe], [router], [dispatch], [kernels] and [checks] sections do not apply to
 it; its balancing is torchtitan's (the expert bias is kept but, in 0.2.2's Qwen3 spec, never
 updated), and `--debug.moe_force_load_balance` is its forced-balance switch.
+
+`[model] init_from = "qwen3_moe"` starts it from the weights our model makes from the same seed
+on the same device (our init, mapped to torchtitan's names: `w13 [E, 2I, D]` = `w1 | w3`), so
+the two models train from identical weights without a checkpoint; `init_fingerprint` is what the
+parity harness compares to check that they do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import json
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from torchtitan_moe.data import build_dataloader, build_tokenizer
 from torchtitan_moe.metrics import build_metrics_processor
+from torchtitan_moe.models.qwen3_moe import flavor_args
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
+from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel
 from torchtitan_moe.torchtitan_compat import (
     TorchtitanMoEArgs,
     TorchtitanQwen3Model,
@@ -32,10 +47,21 @@ from torchtitan_moe.torchtitan_compat import (
 NAME = "torchtitan_qwen3_moe"
 
 
-def torchtitan_args(ours: Qwen3MoEArgs) -> TorchtitanQwen3ModelArgs:
+@dataclass
+class BaselineArgs(TorchtitanQwen3ModelArgs):
+    ours: Qwen3MoEArgs | None = None  # [model] init_from = "qwen3_moe": the model whose init to copy
+
+    def update_from_config(self, job_config, **kwargs) -> None:
+        super().update_from_config(job_config, **kwargs)
+        if job_config.model.init_from == "qwen3_moe":
+            self.ours = flavor_args(job_config.model.flavor)
+            self.ours.update_from_config(job_config)
+
+
+def torchtitan_args(ours: Qwen3MoEArgs) -> BaselineArgs:
     """The torchtitan Qwen3 args with the same shapes as one of our flavors."""
     moe = ours.moe
-    return TorchtitanQwen3ModelArgs(
+    return BaselineArgs(
         dim=ours.dim, n_layers=ours.n_layers, n_heads=ours.n_heads, n_kv_heads=ours.n_kv_heads,
         head_dim=ours.head_dim, vocab_size=ours.vocab_size, norm_eps=ours.norm_eps, rope_theta=ours.rope_theta,
         qk_norm=ours.qk_norm, max_seq_len=ours.max_seq_len, enable_weight_tying=ours.enable_weight_tying,
@@ -47,10 +73,96 @@ def torchtitan_args(ours: Qwen3MoEArgs) -> TorchtitanQwen3ModelArgs:
     )
 
 
+# Wrappers torchtitan's activation checkpointing and compile put in parameter names.
+_WRAPPERS = re.compile(r"(_checkpoint_wrapped_module|_orig_mod)\.")
+
+
+def torchtitan_parameters(model: nn.Module, full: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of either model's parameters in torchtitan's Qwen3 names: ours
+    `w13 [E, 2I, D]` -> `w1 [E, I, D]`, `w3 [E, I, D]`. `full`: DTensors gathered (collective)."""
+    for name, p in model.named_parameters():
+        name = _WRAPPERS.sub("", name)
+        if full and isinstance(p, DTensor):
+            p = p.full_tensor()
+        if name.endswith("moe.experts.w13"):
+            inter = p.shape[1] // 2
+            yield name[: -len("w13")] + "w1", p[:, :inter]
+            yield name[: -len("w13")] + "w3", p[:, inter:]
+        else:
+            yield name, p
+
+
+class BaselineModel(TorchtitanQwen3Model):
+    """torchtitan's Qwen3 model; with `args.ours` set, its init is our model's (same seed)."""
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        ours = self.model_args.ours
+        if ours is None:
+            return super().init_weights(buffer_device=buffer_device)
+        device = self.tok_embeddings.weight.device
+        rng = _Rng(device)
+        super().init_weights(buffer_device=buffer_device)  # its buffers; the weights are replaced
+        rng.restore()  # our init draws what it would draw in our own run, from the same state
+        copy_our_init(self, ours, device, buffer_device)
+
+
+class _Rng:
+    def __init__(self, device: torch.device):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+@torch.no_grad()
+def copy_our_init(model: nn.Module, ours: Qwen3MoEArgs, device: torch.device, buffer_device) -> None:
+    """Initialize our model from the current RNG state on `device` and copy its weights into
+    torchtitan's `model` (sharded DTensors take their own shard: no communication)."""
+    with torch.device("meta"):
+        source = Qwen3MoEModel(ours)
+    source.to_empty(device=device)
+    source.init_weights(buffer_device)
+    weights = dict(torchtitan_parameters(source))
+    targets = dict(model.named_parameters())
+    names = {_WRAPPERS.sub("", n) for n in targets}
+    if names != set(weights):
+        raise ValueError(f"init_from = 'qwen3_moe': the two models' weights differ: only ours "
+                         f"{sorted(set(weights) - names)[:4]}, only torchtitan's {sorted(names - set(weights))[:4]}")
+    for name, p in targets.items():
+        w = weights[_WRAPPERS.sub("", name)]
+        if isinstance(p, DTensor):
+            w = distribute_tensor(w, p.device_mesh, p.placements, src_data_rank=None)
+        p.copy_(w)
+    del source, weights
+
+
+@torch.no_grad()
+def init_fingerprint(model: nn.Module) -> dict[str, list[float]]:
+    """{torchtitan name: [sum, sum of squares]} in float64 over each whole weight, for our
+    model or torchtitan's: equal fingerprints, equal starting weights (to float64 rounding)."""
+    prints = {}
+    for name, p in torchtitan_parameters(model, full=True):
+        p = p.double()
+        prints[name] = [p.sum().item(), p.square().sum().item()]
+    return prints
+
+
+def write_init_fingerprint(model: nn.Module, folder: str) -> None:
+    """Every rank computes it (DTensors gather collectively); rank 0 writes it."""
+    prints = init_fingerprint(model)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        (Path(folder) / "init_fingerprint.json").write_text(json.dumps(prints, indent=0, sort_keys=True) + "\n")
+
+
 class _Flavors(Mapping):
     """Fresh args per lookup: torchtitan's Trainer edits the args it is given."""
 
-    def __getitem__(self, name: str) -> TorchtitanQwen3ModelArgs:
+    def __getitem__(self, name: str) -> BaselineArgs:
         return torchtitan_args(FLAVORS[name])
 
     def __iter__(self):
@@ -75,7 +187,7 @@ def register() -> None:
         get_train_spec(NAME)
     except ValueError:
         register_train_spec(NAME, TrainSpec(
-            model_cls=TorchtitanQwen3Model,
+            model_cls=BaselineModel,
             model_args=_Flavors(),
             parallelize_fn=_parallelize,
             pipelining_fn=None,

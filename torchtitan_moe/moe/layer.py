@@ -43,6 +43,7 @@ class MoEArgs:
     n_groups: int = 1
     topk_groups: int = 1
     force_balance: bool = False
+    router_gate_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     padding: Literal["none", "auto", "always"] = "auto"
     align: int = 8
     kernels: Literal["auto", "torch", "triton"] = "auto"
@@ -100,6 +101,7 @@ class MoE(nn.Module):
             n_groups=args.n_groups,
             topk_groups=args.topk_groups,
             force_balance=args.force_balance,
+            gate_dtype=getattr(torch, args.router_gate_dtype),
         )
         self.experts = GroupedExperts(dim, args.inter_dim, args.num_experts)
         self.dispatcher = None  # built on first use for the device (or set by parallelize)

@@ -1,6 +1,6 @@
 """Token-choice top-k router: gate in fp32, scores, top-k with a selection-only expert bias.
 
-    x [T, D] ──gate (fp32)──► logits [T, E] ──softmax|sigmoid──► scores [T, E]
+    x [T, D] ──gate (fp32, or bf16 as torchtitan's)──► logits [T, E] ──softmax|sigmoid──► scores [T, E]
     top-k over (scores + expert_bias)  ──► experts [T, K]      (the bias picks, never weighs)
         group-limited (n_groups > 1): only inside each token's topk_groups best groups
     probs = scores[experts], optionally renormalized, times route_scale ──► probs [T, K] fp32
@@ -46,6 +46,7 @@ class Router(nn.Module):
         n_groups: int = 1,
         topk_groups: int = 1,
         force_balance: bool = False,
+        gate_dtype: torch.dtype = torch.float32,
     ):
         super().__init__()
         if not 1 <= top_k <= num_experts:
@@ -74,6 +75,7 @@ class Router(nn.Module):
         self.n_groups = n_groups
         self.topk_groups = topk_groups
         self.force_balance = force_balance
+        self.gate_dtype = gate_dtype  # fp32 unless matching torchtitan's bf16 gate ([router] gate_precision)
         # The data-parallel ranks whose tokens the global-batch loss counts (the trainer's
         # "loss" mesh, set by moe/balance.py); None: this process alone.
         self.balance_group: dist.ProcessGroup | None = None
@@ -95,7 +97,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
         """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss."""
         with torch.autocast(x.device.type, enabled=False):  # router math stays fp32
-            logits = F.linear(x.float(), self.gate.weight.float())
+            dtype = self.gate_dtype
+            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype)).float()
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:

@@ -50,6 +50,7 @@ class Qwen3MoEArgs(BaseModelArgs):
             n_groups=r.n_groups,
             topk_groups=r.topk_groups,
             force_balance=r.force_balance,
+            router_gate_dtype="float32" if r.gate_precision == "float32" else job_config.training.mixed_precision_param,
             kernels=job_config.kernels.backend,
         )
 

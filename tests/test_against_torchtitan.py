@@ -1,0 +1,112 @@
+"""Ours against torchtitan 0.2.2's Qwen3-MoE from identical weights: the init copy, the same
+forward (CPU, fp32), and the parity harness's `--against torchtitan` / `--seed init` logic.
+The 200-step bf16 runs are GPU work (worklogs/2026-11-24-against-torchtitan.md)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchtitan_moe import parity
+from torchtitan_moe.models.baseline import BaselineModel, init_fingerprint, torchtitan_args
+from torchtitan_moe.models.qwen3_moe import flavor_args
+from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel
+
+from test_parity import records
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "debug.toml")
+
+
+def both_models(seed: int = 3, copy_init: bool = True):
+    """Ours and torchtitan's debug model, each initialized from `seed` (theirs from ours when copy_init)."""
+    args = flavor_args("debug")
+    targs = torchtitan_args(args)
+    targs.ours = args if copy_init else None
+    with torch.device("meta"):
+        ours, theirs = Qwen3MoEModel(args), BaselineModel(targs)
+    for model in (ours, theirs):
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            model.init_weights()
+    return ours, theirs
+
+
+def test_torchtitan_starts_from_our_init_and_the_fingerprint_says_so():
+    ours, theirs = both_models()
+    mine = init_fingerprint(ours)
+    assert len(mine) == 4 * 12 + 3 and mine == init_fingerprint(theirs)
+    ours_w13 = ours.layers["1"].moe.experts.w13
+    assert torch.equal(theirs.layers["1"].moe.experts.w3, ours_w13[:, ours_w13.shape[1] // 2:])
+    _, own = both_models(copy_init=False)
+    assert init_fingerprint(own) != mine
+    _, other_seed = both_models(seed=4)
+    assert init_fingerprint(other_seed) != mine
+
+
+def test_both_models_compute_the_same_logits(monkeypatch):
+    # torchtitan's MoE counts tokens with torch.histc, which has no CPU kernel for int64 indices.
+    histc = torch.histc
+    monkeypatch.setattr(torch, "histc", lambda x, *a, **k: histc(x.float(), *a, **k).to(x.dtype))
+    ours, theirs = both_models()
+    for block in theirs.layers.values():
+        block.moe.experts.use_grouped_mm = False  # the CPU path: a loop over experts
+    tokens = torch.randint(0, 2048, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = theirs(tokens).double(), ours(tokens).double()
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error < 1e-5, f"relative error {error:.2e}"
+
+
+def test_against_torchtitan_switches_each_difference_back_alone():
+    settings = parity.against_torchtitan(CONFIG, [])
+    names = [s.name for s in settings]
+    # debug.toml updates the expert bias; on CPU its gate and kernels already match (fp32, torch).
+    assert names == ["torchtitan", "ours as torchtitan", "+ expert-bias update", "+ fp32 gate",
+                     "+ our kernels and loss", "ours", "torchtitan, own init"]
+    as_tt, bias = dict(settings[1].values), dict(settings[2].values)
+    assert as_tt["router.bias_update_rate"] == "0" and bias["router.bias_update_rate"] == "0.001"
+    assert {k: v for k, v in bias.items() if k != "router.bias_update_rate"} == \
+        {k: v for k, v in as_tt.items() if k != "router.bias_update_rate"}
+    assert [s.checked for s in settings[1:]] == [True] + [False] * 5
+    assert not settings[-1].same_init and dict(settings[0].values)["model.init_from"] == "qwen3_moe"
+    recipe = parity.against_torchtitan(CONFIG, ["--router.balance_loss", "global_batch",
+                                                "--router.balance_loss_coeff", "0.01"])
+    assert "+ balance and z losses" in [s.name for s in recipe]
+
+
+def fake_launch(prints_of):
+    """A training run that writes its metrics and the fingerprint `prints_of(dump)`."""
+    def launch(config, dump, overrides, nproc, log):
+        assert "--checks.init_fingerprint" in overrides and "--checkpoint.initial_load_path" not in overrides
+        dump.mkdir(parents=True, exist_ok=True)
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records([5.0, 4.0], [1.0, 0.5])) + "\n")
+        (dump / "init_fingerprint.json").write_text(json.dumps(prints_of(dump)))
+    return launch
+
+
+@pytest.mark.parametrize("wrong", ["ep2", None])
+def test_seed_init_fails_a_setting_that_started_from_other_weights(tmp_path, monkeypatch, wrong):
+    monkeypatch.setattr(parity, "launch", fake_launch(
+        lambda dump: {"w": [1.0, 2.0 + (dump.name == wrong) * 1e-6]}))
+    argv = [CONFIG, "--vary", "parallelism.expert_parallel_degree=1,2", "--seed", "init", "--nproc", "2",
+            "--out", str(tmp_path), "--no-plot"]
+    assert parity.main(argv) == (1 if wrong else 0)
+    report = (tmp_path / "parity.md").read_text()
+    assert ("from other weights (w: sum" in report) == bool(wrong)
+
+
+def test_against_torchtitan_checks_that_its_own_init_differs(tmp_path, monkeypatch, capsys):
+    # Every run from the same weights except torchtitan's own init: the harness passes ...
+    own = "torchtitan_own_init"
+    monkeypatch.setattr(parity, "launch", fake_launch(lambda dump: {"w": [1.0, 2.0 + (dump.name == own)]}))
+    argv = [CONFIG, "--against", "torchtitan", "--out", str(tmp_path), "--no-plot"]
+    assert parity.main(argv) == 0
+    report = (tmp_path / "parity.md").read_text()
+    assert "| + expert-bias update | 5.0000 | 4.0000 | +0.0000 | +0.0000 |" not in report  # no step 30 here
+    assert "| + expert-bias update | 4.0000 | +0.0000 |" in report and "(attribution)" in report
+    # ... and fails when the own init was not one (the copy went the wrong way, or not at all).
+    monkeypatch.setattr(parity, "launch", fake_launch(lambda dump: {"w": [1.0, 2.0]}))
+    assert parity.main(argv) == 1

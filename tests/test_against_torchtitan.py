@@ -22,13 +22,14 @@ CONFIG = str(ROOT / "configs" / "debug.toml")
 def both_models(seed: int = 3, copy_init: bool = True):
     """Ours and torchtitan's debug model, each initialized from `seed` (theirs from ours when copy_init)."""
     args = flavor_args("debug")
+    args.init_seed = seed  # [debug] seed
     targs = torchtitan_args(args)
     targs.ours = args if copy_init else None
     with torch.device("meta"):
         ours, theirs = Qwen3MoEModel(args), BaselineModel(targs)
     for model in (ours, theirs):
         model.to_empty(device="cpu")
-        torch.manual_seed(seed)
+        torch.manual_seed(seed + 1)  # torchtitan's own init draws from the RNG as it is
         with torch.no_grad():
             model.init_weights()
     return ours, theirs
@@ -40,6 +41,10 @@ def test_torchtitan_starts_from_our_init_and_the_fingerprint_says_so():
     assert len(mine) == 4 * 12 + 3 and mine == init_fingerprint(theirs)
     ours_w13 = ours.layers["1"].moe.experts.w13
     assert torch.equal(theirs.layers["1"].moe.experts.w3, ours_w13[:, ours_w13.shape[1] // 2:])
+    torch.manual_seed(99)  # our init draws from its seed alone, whatever the RNG held before
+    with torch.no_grad():
+        ours.init_weights()
+    assert init_fingerprint(ours) == mine
     _, own = both_models(copy_init=False)
     assert init_fingerprint(own) != mine
     _, other_seed = both_models(seed=4)

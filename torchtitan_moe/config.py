@@ -333,6 +333,8 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(cfg.model.init_from == "own" or cfg.model.name == "torchtitan_qwen3_moe",
           f"[model] init_from = {cfg.model.init_from!r} is for the torchtitan_qwen3_moe baseline; "
           f"{cfg.model.name!r} starts from its own init ('own')")
+    _need(cfg.model.init_from == "own" or cfg.debug.seed is not None,
+          "[model] init_from = 'qwen3_moe' needs [debug] seed: our init draws from it (unset, every run differs)")
     args = flavors[cfg.model.flavor].moe
     moe, router, par = cfg.moe, cfg.router, cfg.parallelism
     num_experts = moe.num_experts if moe.num_experts is not None else args.num_experts

@@ -99,28 +99,14 @@ class BaselineModel(TorchtitanQwen3Model):
         ours = self.model_args.ours
         if ours is None:
             return super().init_weights(buffer_device=buffer_device)
-        device = self.tok_embeddings.weight.device
-        rng = _Rng(device)
         super().init_weights(buffer_device=buffer_device)  # its buffers; the weights are replaced
-        rng.restore()  # our init draws what it would draw in our own run, from the same state
-        copy_our_init(self, ours, device, buffer_device)
-
-
-class _Rng:
-    def __init__(self, device: torch.device):
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-        self.device = device
-
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
+        # Our init draws from [debug] seed alone (Qwen3MoEModel.init_weights), as in our own run.
+        copy_our_init(self, ours, self.tok_embeddings.weight.device, buffer_device)
 
 
 @torch.no_grad()
 def copy_our_init(model: nn.Module, ours: Qwen3MoEArgs, device: torch.device, buffer_device) -> None:
-    """Initialize our model from the current RNG state on `device` and copy its weights into
+    """Initialize our model from its seed on `device` and copy its weights into
     torchtitan's `model` (sharded DTensors take their own shard: no communication)."""
     with torch.device("meta"):
         source = Qwen3MoEModel(ours)

@@ -26,10 +26,12 @@ class Qwen3MoEArgs(BaseModelArgs):
     attn_mask_type: str = "causal"
     enable_weight_tying: bool = False
     moe: MoEArgs = field(default_factory=MoEArgs)
+    init_seed: int | None = None  # [debug] seed: the init draws from it alone (None: the RNG as it is)
 
     def update_from_config(self, job_config, **kwargs) -> None:
         """Apply [moe], [router], [kernels] and the sequence length from the job config."""
         self.max_seq_len = job_config.training.seq_len
+        self.init_seed = job_config.debug.seed
         m, r = job_config.moe, job_config.router
         moe = self.moe
         self.moe = replace(

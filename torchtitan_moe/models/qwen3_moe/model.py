@@ -11,6 +11,8 @@ its activation checkpointing, checkpointing and metrics work unchanged.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -71,6 +73,17 @@ class OutputLayer(nn.Linear):
                                         backend=resolve_kernels(self.kernels, h.device))
 
 
+@contextmanager
+def seeded(seed: int | None, device: torch.device):
+    """The RNG seeded with `seed` inside, restored after (None: left as it is)."""
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 class Qwen3MoEModel(ModelProtocol):
     def __init__(self, args: Qwen3MoEArgs):
         super().__init__(args)
@@ -91,7 +104,12 @@ class Qwen3MoEModel(ModelProtocol):
         buffer_device = buffer_device or self.rope_cache.device
         with torch.device(buffer_device):
             self.rope_cache = self._rope_cache()
-        # Sharded parameters are initialized as full tensors, one part at a time: the init is
+        # From [debug] seed alone, whatever drew from the RNG before: any run of this model, or
+        # torchtitan's model copying this init (models/baseline.py), starts from the same weights.
+        with seeded(self.model_args.init_seed, self.tok_embeddings.weight.device):
+            self._init_weights(buffer_device)
+
+    def _init_weights(self, buffer_device: torch.device) -> None:        # Sharded parameters are initialized as full tensors, one part at a time: the init is
         # a single process's from the same seed, whatever the mesh (models/sharded_init.py).
         with full_tensors(self.tok_embeddings):
             nn.init.normal_(self.tok_embeddings.weight)

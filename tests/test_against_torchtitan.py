@@ -69,13 +69,14 @@ def test_against_torchtitan_switches_each_difference_back_alone():
     settings = parity.against_torchtitan(CONFIG, [])
     names = [s.name for s in settings]
     # debug.toml updates the expert bias; on CPU its gate and kernels already match (fp32, torch).
-    assert names == ["torchtitan", "ours as torchtitan", "+ expert-bias update", "+ fp32 gate",
+    assert names == ["torchtitan", "ours as torchtitan", "torchtitan, again", "+ expert-bias update", "+ fp32 gate",
                      "+ our kernels and loss", "ours", "torchtitan, own init"]
-    as_tt, bias = dict(settings[1].values), dict(settings[2].values)
+    as_tt, bias = dict(settings[1].values), dict(settings[3].values)
     assert as_tt["router.bias_update_rate"] == "0" and bias["router.bias_update_rate"] == "0.001"
     assert {k: v for k, v in bias.items() if k != "router.bias_update_rate"} == \
         {k: v for k, v in as_tt.items() if k != "router.bias_update_rate"}
-    assert [s.checked for s in settings[1:]] == [True] + [False] * 5
+    assert [s.checked for s in settings[1:]] == [True] + [False] * 6
+    assert settings[2].values == settings[0].values
     assert not settings[-1].same_init and dict(settings[0].values)["model.init_from"] == "qwen3_moe"
     recipe = parity.against_torchtitan(CONFIG, ["--router.balance_loss", "global_batch",
                                                 "--router.balance_loss_coeff", "0.01"])

@@ -116,3 +116,17 @@ def test_against_torchtitan_checks_that_its_own_init_differs(tmp_path, monkeypat
     # ... and fails when the own init was not one (the copy went the wrong way, or not at all).
     monkeypatch.setattr(parity, "launch", fake_launch(lambda dump: {"w": [1.0, 2.0]}))
     assert parity.main(argv) == 1
+
+
+def test_the_bf16_gate_is_torchtitans_gate():
+    from torch import nn
+    from torchtitan_moe.moe.router import Router
+
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    fp32, bf16 = Router(128, 8, 2, route_norm=False), Router(128, 8, 2, route_norm=False, gate_dtype=torch.bfloat16)
+    bf16.load_state_dict(fp32.state_dict())
+    theirs = nn.Linear(128, 8, bias=False).to(torch.bfloat16)  # torchtitan's gate under bf16 mixed precision
+    theirs.weight.data.copy_(fp32.gate.weight)
+    expected = torch.softmax(theirs(x.to(torch.bfloat16)).float(), dim=-1)
+    assert torch.equal(bf16(x).probs, expected.gather(1, bf16(x).experts))
+    assert not torch.equal(fp32(x).probs, bf16(x).probs)

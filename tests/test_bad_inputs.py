@@ -122,6 +122,8 @@ OTHERS = [
       "--router.balance_loss_coeff", "0.001"], "[router] balance_loss = 'global_batch' with [compile] enable"),
     (["--training.dataset", "text", "--training.dataset_path", "/nonexistent"], "[training] dataset_path = '/nonexistent'"),
     (["--nproc", "0"], "--nproc '0': must be a number of processes >= 1"),
+    (["--model.init_from", "qwen3_moe"], "[model] init_from = 'qwen3_moe' is for the torchtitan_qwen3_moe baseline"),
+    (["--router.gate_precision", "bf16"], "[router] gate_precision"),
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 

@@ -88,6 +88,7 @@ TYPES = [
     ("checks", "router_init", "maybe", "[checks] router_init", "'error'"),
     ("activation_checkpoint", "mode", "some", "[activation_checkpoint] mode", "'selective'"),
     ("training", "mixed_precision_param", "float16", "[training] mixed_precision_param", "'bfloat16'"),
+    ("optimizer", "moments_dtype", "float16", "[optimizer] moments_dtype", "'float32' | 'bfloat16'"),
 ]
 
 # Everything else that names a key: unknown sections and keys, replaced keys, and combinations.
@@ -124,6 +125,10 @@ OTHERS = [
     (["--nproc", "0"], "--nproc '0': must be a number of processes >= 1"),
     (["--model.init_from", "qwen3_moe"], "[model] init_from = 'qwen3_moe' is for the torchtitan_qwen3_moe baseline"),
     (["--router.gate_precision", "bf16"], "[router] gate_precision"),
+    (["--optimizer.moments_dtype", "bfloat16", "--optimizer.name", "Adam"],
+     "[optimizer] moments_dtype = 'bfloat16' is for name = 'AdamW' (got 'Adam')"),
+    (["--optimizer.moments_dtype", "bfloat16", "--optimizer.early_step_in_backward"],
+     "[optimizer] moments_dtype = 'bfloat16' with early_step_in_backward = true"),
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 

@@ -1,5 +1,5 @@
 """End to end on the CPU: 2 processes over gloo train the debug config (resuming: tests/test_resume.py).
-The three runs below share one torchrun launch (spawn_ranks.torchrun_plan)."""
+The four runs below share one torchrun launch (spawn_ranks.torchrun_plan)."""
 
 import json
 import math
@@ -26,6 +26,8 @@ RUNS = {
     "recipe": ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
                "--training.global_batch_size", "32", "--router.balance_loss", "global_batch",
                "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001"],
+    "bf16_moments": ["--training.steps", "4", "--optimizer.moments_dtype", "bfloat16", "--checkpoint.enable",
+                     "--checkpoint.interval", "4"],
 }
 
 
@@ -50,13 +52,19 @@ def test_the_readme_command_trains_quietly(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """name -> rank 0's metrics.jsonl records of that run of the debug config on 2 processes."""
+def launched(tmp_path_factory) -> Path:
+    """The folder holding each run's dump folder (one torchrun launch for all of RUNS)."""
     d = tmp_path_factory.mktemp("train_cpu")
     torchrun_plan([{"train": ["--job.dump_folder", str(d / name), *overrides]} for name, overrides in RUNS.items()], d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def runs(launched):
+    """name -> rank 0's metrics.jsonl records of that run of the debug config on 2 processes."""
     out = {}
     for name in RUNS:
-        with open(d / name / "metrics.jsonl") as f:
+        with open(launched / name / "metrics.jsonl") as f:
             out[name] = [json.loads(line) for line in f]
     return out
 
@@ -96,3 +104,19 @@ def test_router_recipe_terms_are_logged_each_on_its_own(runs):
         assert r["moe/aux_loss"] == pytest.approx(0.01 * r["moe/balance_loss"] + 0.001 * r["moe/z_loss"])
         assert 0.9 < r["moe/balance_loss"] < 1.5 and 0 < r["moe/z_loss"] < 20  # (ln 8)^2 = 4.3 for small logits
         assert all(sum(layer) == 2 * 2 * 8 * 128 * 2 for layer in r["moe/tokens_per_expert"])  # counted once
+
+
+def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):
+    # FSDP2 over 2 ranks: the optimizer updates each rank's shard; the checkpoint holds bf16 moments.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    records = runs["bf16_moments"]
+    assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]
+    step = launched / "bf16_moments" / "checkpoint" / "step-4"
+    meta = FileSystemReader(str(step)).read_metadata().state_dict_metadata
+    weights = {k for k in meta if k.split(".")[0] in ("tok_embeddings", "layers", "norm", "output")
+               and not k.endswith(".expert_bias")}  # a buffer, moved by the balancing hook
+    moments = {k.removeprefix("optimizer.state."): m.properties.dtype for k, m in meta.items()
+               if k.startswith("optimizer.state.") and "exp_avg" in k}
+    assert set(moments) == {f"{w}.{m}" for w in weights for m in ("exp_avg", "exp_avg_sq")}
+    assert set(moments.values()) == {torch.bfloat16}, moments

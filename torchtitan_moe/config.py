@@ -165,6 +165,13 @@ class Checkpoint:
 
 
 @dataclass
+class Optimizer:
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's exp_avg and exp_avg_sq stored in 'float32' (torch's AdamW) or 'bfloat16' (4 bytes less
+    per parameter; fp32 update and master weights; optimizer.py)."""
+
+
+@dataclass
 class Metrics:
     peak_tflops: float = 0.0
     """Peak TFLOP/s that MFU is measured against (0: torchtitan's dense bf16 figure for the GPU)."""
@@ -188,6 +195,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     model: Model = field(default_factory=Model)
     metrics: Metrics = field(default_factory=Metrics)
+    optimizer: Optimizer = field(default_factory=Optimizer)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     training: Training = field(default_factory=Training)
 

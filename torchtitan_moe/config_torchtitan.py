@@ -30,6 +30,11 @@ def check_torchtitan_keys(cfg: Any, world_size: int | None = None) -> None:
     _need(_finite(opt.eps) and opt.eps > 0, f"[optimizer] eps = {opt.eps}: must be > 0")
     _need(_finite(opt.weight_decay) and opt.weight_decay >= 0,
           f"[optimizer] weight_decay = {opt.weight_decay}: must be >= 0")
+    if opt.moments_dtype != "float32":
+        _need(opt.name == "AdamW", f"[optimizer] moments_dtype = {opt.moments_dtype!r} is for name = 'AdamW' "
+              f"(got {opt.name!r}); use moments_dtype = 'float32'")
+        _need(not opt.early_step_in_backward, f"[optimizer] moments_dtype = {opt.moments_dtype!r} with "
+              "early_step_in_backward = true: not supported; use moments_dtype = 'float32'")
 
     _need(train.steps >= 1, f"[training] steps = {train.steps}: must be >= 1 (the number of optimizer steps to train)")
     _need(sched.warmup_steps >= 0, f"[lr_scheduler] warmup_steps = {sched.warmup_steps}: must be >= 0")

@@ -30,6 +30,7 @@ from torchtitan_moe.metrics import build_metrics_processor
 from torchtitan_moe.models.qwen3_moe import flavor_args
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
 from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel
+from torchtitan_moe.optimizer import build_optimizers
 from torchtitan_moe.torchtitan_compat import (
     TorchtitanMoEArgs,
     TorchtitanQwen3Model,
@@ -37,7 +38,6 @@ from torchtitan_moe.torchtitan_compat import (
     TrainSpec,
     build_cross_entropy_loss,
     build_lr_schedulers,
-    build_optimizers,
     get_train_spec,
     register_train_spec,
     torchtitan_parallelize_qwen3,

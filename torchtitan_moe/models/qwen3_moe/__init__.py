@@ -14,11 +14,11 @@ from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel
 from torchtitan_moe.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import Qwen3MoEStateDictAdapter
 from torchtitan_moe.moe.balance import register_balancing_hook
+from torchtitan_moe.optimizer import build_optimizers
 from torchtitan_moe.torchtitan_compat import (
     TrainSpec,
     build_cross_entropy_loss,
     build_lr_schedulers,
-    build_optimizers,
     get_train_spec,
     register_train_spec,
 )

@@ -1,0 +1,123 @@
+"""adamw_step_ against a float64 AdamW from the same inputs, and the optimizer against torch.optim.AdamW.
+
+Under TRITON_INTERPRET=1 (set by tests/conftest.py where there is no GPU) the Triton kernel runs on
+the CPU; on a GPU it runs compiled.
+"""
+
+import pytest
+import torch
+from ops_helpers import assert_ulp, ulp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from torchtitan_moe.ops.adamw import adamw_step_
+from torchtitan_moe.optimizer import AdamW
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def exact_step(p, g, m, v, lr, beta1, beta2, eps, weight_decay, step):
+    """float64 AdamW from the same (already rounded) inputs: the bound every result is held to."""
+    p, g, m, v = (t.double() for t in (p, g, m, v))
+    m_terms = (beta1 * m).abs() + ((1 - beta1) * g).abs()
+    m = beta1 * m + (1 - beta1) * g
+    v = beta2 * v + (1 - beta2) * g * g
+    update = lr / (1 - beta1**step) * m / (v.sqrt() / (1 - beta2**step) ** 0.5 + eps)
+    return p * (1 - lr * weight_decay) - update, m, v, update, m_terms
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 1000, 5000])
+def test_adamw_step_is_one_rounding_of_the_exact_update(n, grad_dtype, moments, backend):
+    g0 = torch.Generator().manual_seed(n)
+    # Views of larger buffers whose tails hold NaN: a write past n would show there.
+    buffers = [torch.full((n + 64,), float("nan"), dtype=d, device=DEVICE) for d in (torch.float32, moments, moments)]
+    p, m, v = (b[:n] for b in buffers)
+    p.copy_(torch.randn(n, generator=g0))
+    m.copy_(torch.randn(n, generator=g0) * 1e-2)
+    v.copy_(torch.rand(n, generator=g0) * 1e-4)
+    v[: n // 10] = 0  # a fresh moment: the update is then lr-sized
+    g = (torch.randn(n, generator=g0) * 1e-2).to(grad_dtype).to(DEVICE)
+    exact_p, exact_m, exact_v, update, m_terms = exact_step(p, g, m, v, **HYPER, step=7)
+
+    adamw_step_(p, g, m, v, **HYPER, step=7, backend=backend)
+
+    # One rounding to the moments' dtype, after fp32 arithmetic whose error scales with the terms
+    # (beta1 * m and (1 - beta1) * g can cancel); exp_avg_sq's terms are both >= 0.
+    ulps = 1 if moments == torch.bfloat16 else 2
+    assert_ulp("exp_avg", m, exact_m, ulps=ulps, slack=4 * ulp(m_terms, torch.float32))
+    assert_ulp("exp_avg_sq", v, exact_v, ulps=ulps, slack=4 * ulp(exact_v, torch.float32))
+    # The weight: fp32 arithmetic on the decayed weight and the update (computed from the unrounded moments).
+    assert_ulp("param", p, exact_p, ulps=2, slack=2 * ulp(exact_p + update, torch.float32) + 16 * ulp(update, torch.float32))
+    for name, b in zip(("param", "exp_avg", "exp_avg_sq"), buffers):
+        assert b[n:].isnan().all(), f"{name}: written past its end"
+
+
+def test_bad_arguments_are_named():
+    p = torch.zeros(4)
+    with pytest.raises(ValueError, match="param must be float32"):
+        adamw_step_(p.half(), p, p, p, **HYPER, step=1, backend="torch")
+    with pytest.raises(ValueError, match="exp_avg_sq must be float32 or bfloat16"):
+        adamw_step_(p, p, p, p.half(), **HYPER, step=1, backend="torch")
+    with pytest.raises(ValueError, match=r"grad must match param \(\(4,\)"):
+        adamw_step_(p, torch.zeros(5), p, p, **HYPER, step=1, backend="torch")
+    with pytest.raises(ValueError, match="step counts from 1"):
+        adamw_step_(p, p, p, p, **HYPER, step=0, backend="torch")
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 3)).to(DEVICE)
+
+
+def _train(model, optimizer, steps=6):
+    torch.manual_seed(1)
+    for _ in range(steps):
+        model(torch.randn(8, 16, device=DEVICE)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _optimizer(model, moments):
+    return AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, moments_dtype=moments)
+
+
+def test_fp32_moments_train_as_torch_adamw():
+    ours, torchs = _model(), _model()
+    _train(ours, _optimizer(ours, torch.float32))
+    _train(torchs, torch.optim.AdamW(torchs.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                     foreach=False))
+    for a, b in zip(ours.parameters(), torchs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_moments_are_stored_in_bf16_and_stay_in_bf16_through_a_checkpoint():
+    model = _model()
+    optimizer = _optimizer(model, torch.bfloat16)
+    _train(model, optimizer)
+    moments = [s[k] for s in optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert len(moments) == 8 and all(t.dtype == torch.bfloat16 for t in moments)
+    saved = get_optimizer_state_dict(model, optimizer)  # what torchtitan's checkpointer saves
+
+    # torch.optim.Optimizer.load_state_dict casts moments to the parameters' fp32; ours stores bf16 again.
+    other = _optimizer(model, torch.bfloat16)
+    set_optimizer_state_dict(model, other, saved)
+    for p in model.parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert other.state[p][k].dtype == torch.bfloat16
+            assert torch.equal(other.state[p][k], optimizer.state[p][k])
+        assert other.state[p]["step"].item() == 6
+
+
+def test_bf16_moments_track_fp32_moments():
+    # bf16 storage of the moments changes the weights by far less than one step moves them.
+    runs = {}
+    for moments in (torch.float32, torch.bfloat16):
+        model = _model()
+        start = [p.detach().clone() for p in model.parameters()]
+        _train(model, _optimizer(model, moments), steps=20)
+        runs[moments] = [(p.detach() - s) for p, s in zip(model.parameters(), start)]
+    for a, b in zip(runs[torch.float32], runs[torch.bfloat16]):
+        assert (a - b).norm() < 0.02 * a.norm()

@@ -31,8 +31,9 @@ def _adamw_kernel(
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask).to(tl.float32)
     m = beta1 * m + (1.0 - beta1) * g
     v = beta2 * v + (1.0 - beta2) * g * g
-    denom = tl.sqrt(v) * inv_sqrt_bias2 + eps
-    p = p * decay - step_size * (m / denom)
+    # IEEE-rounded square root and division (tl.sqrt and / are approximate on the GPU), as torch's AdamW.
+    denom = tl.sqrt_rn(v) * inv_sqrt_bias2 + eps
+    p = p * decay - step_size * tl.div_rn(m, denom)
     tl.store(param_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, round_to(m, exp_avg_ptr.dtype.element_ty), mask=mask)
     tl.store(exp_avg_sq_ptr + offs, round_to(v, exp_avg_sq_ptr.dtype.element_ty), mask=mask)

@@ -121,3 +121,12 @@ def test_bf16_moments_track_fp32_moments():
         runs[moments] = [(p.detach() - s) for p, s in zip(model.parameters(), start)]
     for a, b in zip(runs[torch.float32], runs[torch.bfloat16]):
         assert (a - b).norm() < 0.02 * a.norm()
+
+
+def test_the_in_place_kernel_is_not_autotuned():
+    # The autotuner times configs by running the kernel on the real arguments: an in-place update
+    # would be applied once per timing run on the first call (caught on the GPU by the test above).
+    triton = pytest.importorskip("triton")
+    from torchtitan_moe.ops.adamw_triton import _adamw_kernel
+
+    assert not isinstance(_adamw_kernel, triton.runtime.Autotuner)

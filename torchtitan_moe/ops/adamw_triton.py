@@ -9,15 +9,14 @@ moments and fp32 param and grad, 28 with fp32 moments.
 import triton
 import triton.language as tl
 
-from ._triton_utils import autotune_configs, round_to
+from ._triton_utils import round_to
 
-_CONFIGS = autotune_configs(
-    [triton.Config({"BLOCK": b}, num_warps=w) for b, w in [(1024, 4), (2048, 8), (4096, 8)]],
-    triton.Config({"BLOCK": 1024}),
-)
+# One fixed config, no autotune: the autotuner times a kernel by running it again and again, and
+# this one updates its inputs in place (the first step of a run would be applied many times).
+# 1024 elements a program reaches the copy bandwidth on an H200 (kernels/bench_adamw.py).
+BLOCK, NUM_WARPS = 1024, 4
 
 
-@triton.autotune(configs=_CONFIGS, key=[])
 @triton.jit
 def _adamw_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, N,
@@ -46,6 +45,6 @@ def adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, w
     # Per-step scalars on the host (the step count is a host number, as in torch's non-capturable AdamW).
     step_size = lr / (1.0 - beta1**step)
     inv_sqrt_bias2 = 1.0 / (1.0 - beta2**step) ** 0.5
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK"]),)  # noqa: E731
-    _adamw_kernel[grid](param, grad, exp_avg, exp_avg_sq, n, beta1, beta2, eps,
-                        1.0 - lr * weight_decay, step_size, inv_sqrt_bias2)
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, beta1, beta2, eps,
+                                            1.0 - lr * weight_decay, step_size, inv_sqrt_bias2,
+                                            BLOCK=BLOCK, num_warps=NUM_WARPS)

@@ -23,7 +23,7 @@ if [[ $stages == *bench* ]]; then
 fi
 if [[ $stages == *parity* ]]; then
     "$py" -m torchtitan_moe.parity configs/qwen3_30b_a3b_8l.toml --vary optimizer.moments_dtype=float32,bfloat16 \
-        --steps "${STEPS:-500}" --nproc 1 --seed init $([ "${REPEAT:-1}" = 1 ] \&\& echo --deterministic) --out "$out/parity" \
+        --steps "${STEPS:-500}" --nproc 1 --seed init $([ "${REPEAT:-1}" = 1 ] && echo --deterministic) --out "$out/parity" \
         -- --parallelism.expert_parallel_degree 1 --dispatch.backend auto --metrics.log_freq 1 ${EXTRA:-} 2>&1 | tail -40
 fi
 if [[ $stages == *train* ]]; then

@@ -4,8 +4,8 @@ AdamW keeps two fp32 moments per parameter next to the fp32 master weight and it
 the 16 bytes each parameter costs before activations. `moments_dtype = "bfloat16"` stores both
 moments in bf16 (Megatron-Core's precision-aware optimizer offers the same), which saves 4 bytes
 per parameter (22 GB of a 5.6B-parameter model) and moves 20 instead of 28 bytes per parameter in
-the update. The update itself is fp32 (ops/adamw.py); only the stored moments are rounded. The
-master weights stay fp32. Whether the rounding costs learning is measured, not assumed: see the
+the update. The update itself is fp32 (ops/adamw.py); only the stored moments are rounded
+(stochastically: unbiased). The master weights stay fp32. Whether the rounding costs learning is measured, not assumed: see the
 worklog that introduced it (worklogs/2026-11-24-bf16-moments.md).
 
 Both our model and the torchtitan baseline build their optimizer here, so a comparison of the two
@@ -54,18 +54,21 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = 0  # the parameter's place in the optimizer: with the step, the seed of its rounding
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
+                index += 1
                 if p.grad is None:
                     continue
                 state = self._state(p)
                 state["step"] += 1
+                step = int(state["step"])
                 backend = "triton" if p.is_cuda else "torch"
                 adamw_step_(_local(p), _local(p.grad).contiguous(), _local(state["exp_avg"]),
                             _local(state["exp_avg_sq"]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                            eps=group["eps"], weight_decay=group["weight_decay"], step=int(state["step"]),
-                            backend=backend)
+                            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                            seed=(step * 1_000_003 + index) % 2**31, backend=backend)
         return loss
 
     def load_state_dict(self, state_dict) -> None:

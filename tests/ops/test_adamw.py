@@ -42,10 +42,11 @@ def test_adamw_step_is_one_rounding_of_the_exact_update(n, grad_dtype, moments, 
     g = (torch.randn(n, generator=g0) * 1e-2).to(grad_dtype).to(DEVICE)
     exact_p, exact_m, exact_v, update, m_terms = exact_step(p, g, m, v, **HYPER, step=7)
 
-    adamw_step_(p, g, m, v, **HYPER, step=7, backend=backend)
+    adamw_step_(p, g, m, v, **HYPER, step=7, seed=n, backend=backend)
 
-    # One rounding to the moments' dtype, after fp32 arithmetic whose error scales with the terms
-    # (beta1 * m and (1 - beta1) * g can cancel); exp_avg_sq's terms are both >= 0.
+    # One rounding to the moments' dtype (for bf16, stochastic: to one of the two neighbours, so within
+    # 1 ulp), after fp32 arithmetic whose error scales with the terms (beta1 * m and (1 - beta1) * g
+    # can cancel); exp_avg_sq's terms are both >= 0.
     ulps = 1 if moments == torch.bfloat16 else 2
     assert_ulp("exp_avg", m, exact_m, ulps=ulps, slack=4 * ulp(m_terms, torch.float32))
     assert_ulp("exp_avg_sq", v, exact_v, ulps=ulps, slack=4 * ulp(exact_v, torch.float32))
@@ -53,6 +54,25 @@ def test_adamw_step_is_one_rounding_of_the_exact_update(n, grad_dtype, moments, 
     assert_ulp("param", p, exact_p, ulps=2, slack=2 * ulp(exact_p + update, torch.float32) + 16 * ulp(update, torch.float32))
     for name, b in zip(("param", "exp_avg", "exp_avg_sq"), buffers):
         assert b[n:].isnan().all(), f"{name}: written past its end"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bf16_moments_keep_updates_smaller_than_half_a_step_on_average(backend):
+    # exp_avg_sq = 1 and g^2 = 1 + 2^-10 / (1 - beta2): the exact new value 1 + 2^-10 is an eighth of the
+    # way to the next bf16 number (1 + 2^-7). Rounded to nearest, every element would stay 1 forever.
+    n = 1 << 15
+    p, m, g = torch.zeros(n, device=DEVICE), torch.zeros(n, device=DEVICE, dtype=torch.bfloat16), torch.empty(n, device=DEVICE)
+    v = torch.ones(n, device=DEVICE, dtype=torch.bfloat16)
+    g.fill_((1 + 2**-10 / (1 - HYPER["beta2"])) ** 0.5)
+    adamw_step_(p, g, m, v, **HYPER, step=1, seed=5, backend=backend)
+    assert set(v.unique().tolist()) == {1.0, 1 + 2**-7}
+    # the mean is exact to within 5 standard deviations of n coin flips of p = 1/8
+    assert abs(v.double().mean().item() - (1 + 2**-10)) < 5 * 2**-7 * (1 / 8 * 7 / 8 / n) ** 0.5
+    # the same seed draws the same bits (a run repeats); another seed others
+    again, other = torch.ones_like(v), torch.ones_like(v)
+    adamw_step_(p.clone(), g, m.clone(), again, **HYPER, step=1, seed=5, backend=backend)
+    adamw_step_(p.clone(), g, m.clone(), other, **HYPER, step=1, seed=6, backend=backend)
+    assert torch.equal(again, v) and not torch.equal(other, v)
 
 
 def test_bad_arguments_are_named():
@@ -65,6 +85,8 @@ def test_bad_arguments_are_named():
         adamw_step_(p, torch.zeros(5), p, p, **HYPER, step=1, backend="torch")
     with pytest.raises(ValueError, match="step counts from 1"):
         adamw_step_(p, p, p, p, **HYPER, step=0, backend="torch")
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\^31\)"):
+        adamw_step_(p, p, p, p, **HYPER, step=1, seed=-1, backend="torch")
 
 
 def _model():

@@ -37,6 +37,16 @@ def round_to(x, dtype: tl.constexpr):
     return x.to(dtype)
 
 
+@triton.jit
+def round_stochastic_bf16(x, random_bits):
+    """fp32 `x` to bf16, rounded up in magnitude with probability (dropped low bits) / 2^16, else down:
+    unbiased, so small updates to a bf16 accumulator are kept on average rather than lost.
+    `random_bits` uint32 of x's shape (only the low 16 bits are used). NaN and inf stay so."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = ((bits + (random_bits & 0xFFFF)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(x != x, x, rounded).to(tl.bfloat16)  # exact: the low 16 bits are zero
+
+
 def compute_dtype(dtype: torch.dtype) -> tl.dtype:
     """Arithmetic dtype for `dtype` data: fp32, or fp64 for fp64 data (gradcheck)."""
     return tl.float64 if dtype == torch.float64 else tl.float32

@@ -2,14 +2,14 @@
 
 Elementwise over the flat parameter: each program owns BLOCK contiguous elements, loads param,
 grad and the two moments once, computes in fp32 and stores param and the moments once
-(rounded to nearest even where they are bf16). Bandwidth-bound: 20 bytes per element with bf16
+(bf16 moments rounded stochastically from Philox random bits of (seed, element index)). Bandwidth-bound: 20 bytes per element with bf16
 moments and fp32 param and grad, 28 with fp32 moments.
 """
 
 import triton
 import triton.language as tl
 
-from ._triton_utils import round_to
+from ._triton_utils import round_stochastic_bf16, round_to
 
 # One fixed config, no autotune: the autotuner times a kernel by running it again and again, and
 # this one updates its inputs in place (the first step of a run would be applied many times).
@@ -20,7 +20,7 @@ BLOCK, NUM_WARPS = 1024, 4
 @triton.jit
 def _adamw_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, N,
-    beta1, beta2, eps, decay, step_size, inv_sqrt_bias2, BLOCK: tl.constexpr,
+    beta1, beta2, eps, decay, step_size, inv_sqrt_bias2, seed, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -34,11 +34,21 @@ def _adamw_kernel(
     denom = tl.sqrt_rn(v) * inv_sqrt_bias2 + eps
     p = p * decay - step_size * tl.div_rn(m, denom)
     tl.store(param_ptr + offs, p, mask=mask)
-    tl.store(exp_avg_ptr + offs, round_to(m, exp_avg_ptr.dtype.element_ty), mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, round_to(v, exp_avg_sq_ptr.dtype.element_ty), mask=mask)
+    tl.store(exp_avg_ptr + offs, _round(m, exp_avg_ptr.dtype.element_ty, seed, offs, 0), mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, _round(v, exp_avg_sq_ptr.dtype.element_ty, seed, offs, 1), mask=mask)
 
 
-def adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step) -> None:
+@triton.jit
+def _round(x, dtype: tl.constexpr, seed, offs, stream: tl.constexpr):
+    """bf16 moments round stochastically (the stream picks one of two independent random words of
+    this element), fp32 ones are stored as computed."""
+    if dtype == tl.bfloat16:
+        r0, r1, _, _ = tl.randint4x(seed, offs)
+        return round_stochastic_bf16(x, r0 if stream == 0 else r1)
+    return round_to(x, dtype)
+
+
+def adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed) -> None:
     n = param.numel()
     if n == 0:
         return
@@ -46,5 +56,5 @@ def adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, w
     step_size = lr / (1.0 - beta1**step)
     inv_sqrt_bias2 = 1.0 / (1.0 - beta2**step) ** 0.5
     _adamw_kernel[(triton.cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, beta1, beta2, eps,
-                                            1.0 - lr * weight_decay, step_size, inv_sqrt_bias2,
+                                            1.0 - lr * weight_decay, step_size, inv_sqrt_bias2, seed,
                                             BLOCK=BLOCK, num_warps=NUM_WARPS)

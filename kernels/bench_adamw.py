@@ -22,6 +22,7 @@ from torchtitan_moe.ops.adamw import adamw_step_, adamw_step_reference
 SHAPES = [(128, 1536, 2048), (128, 2048, 768), (4096, 2048), (512, 2048), (512, 2048), (2048, 4096), (128, 2048),
           (2048,), (2048,), (128,), (128,)]
 HYPER = dict(lr=3e-4, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+SEED = 12345  # the stochastic rounding's stream; its cost does not depend on the value
 
 
 def tensors(dtype: torch.dtype):
@@ -35,7 +36,7 @@ def tensors(dtype: torch.dtype):
 def ours(params, grads, moments, backend):
     def step():
         for p, g, (m, v) in zip(params, grads, moments):
-            adamw_step_(p, g, m, v, **HYPER, step=10, backend=backend)
+            adamw_step_(p, g, m, v, **HYPER, step=10, seed=SEED, backend=backend)
     return step
 
 
@@ -44,7 +45,8 @@ def reference(params, grads, moments, compiled):
 
     def step():
         for p, g, (m, v) in zip(params, grads, moments):
-            fn(p, g, m, v, HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], 10.0)
+            fn(p, g, m, v, HYPER["lr"], HYPER["beta1"], HYPER["beta2"], HYPER["eps"], HYPER["weight_decay"], 10.0,
+               SEED)
     return step
 
 

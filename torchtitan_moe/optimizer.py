@@ -5,8 +5,8 @@ the 16 bytes each parameter costs before activations. `moments_dtype = "bfloat16
 moments in bf16 (Megatron-Core's precision-aware optimizer offers the same), which saves 4 bytes
 per parameter (22 GB of a 5.6B-parameter model) and moves 20 instead of 28 bytes per parameter in
 the update. The update itself is fp32 (ops/adamw.py); only the stored moments are rounded
-(stochastically: unbiased). The master weights stay fp32. Whether the rounding costs learning is measured, not assumed: see the
-worklog that introduced it (worklogs/2026-11-24-bf16-moments.md).
+(stochastically: unbiased). The master weights stay fp32. What the rounding costs in learning is
+measured, not assumed: worklogs/2026-11-25-bf16-moments.md.
 
 Both our model and the torchtitan baseline build their optimizer here, so a comparison of the two
 uses the same optimizer.

@@ -111,30 +111,51 @@ done
 [ "$(sinfo -h -N -t idle -o %N | sort -u | wc -l)" = 2 ] ||
     fail "the two nodes did not come up idle: $(sinfo -h -N -o '%N %t' | tr '\n' ' ')(logs in $work)"
 
-# --- the job: the sbatch template as a cluster runs it, one CPU process per node ---------------
+# --- the jobs: the sbatch template as a cluster runs it, one CPU process per node -------------
+# submit ARGS...: runs scripts/slurm_train.sbatch configs/debug.toml ARGS on both nodes and waits;
+# sets job (its id), state, exit_code, owner, nodes and log.
+submit() {
+    job_id=$(PYTHON=$py NPROC_PER_NODE=1 MASTER_PORT=$rdzv_port OMP_NUM_THREADS=1 NO_COLOR=1 \
+        sbatch --parsable --nodes 2 --gpus-per-node=0 --cpus-per-task=1 --time 10 \
+        --output "$work/out/slurm-%j.log" scripts/slurm_train.sbatch configs/debug.toml "$@") ||
+        fail "sbatch refused the job"
+    job=$job_id log=$work/out/slurm-$job_id.log started=$SECONDS
+    while :; do
+        info=$(scontrol show job "$job")
+        state=$(sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<< "$info")
+        case $state in PENDING|CONFIGURING|RUNNING|COMPLETING|"") ;; *) break ;; esac
+        [ $((SECONDS - started)) -lt "$timeout" ] || fail "job $job still $state after ${timeout}s (log $log)"
+        sleep 1
+    done
+    job_id=
+    exit_code=$(sed -n 's/.* ExitCode=\([0-9:]*\).*/\1/p' <<< "$info")
+    owner=$(sed -n 's/.*UserId=\([^(]*\)(.*/\1/p' <<< "$info")
+    nodes=$(sed -n 's/^ *NodeList=\([^ ]*\).*/\1/p' <<< "$info")
+}
+
+# Training: both nodes rendezvous at the first node's address and train; global rank 0 (the
+# only one that writes metrics.jsonl and sleeps before exiting) must be on node 0.
 dump=$work/out/debug
-log=$work/out/slurm-%j.log
-job_id=$(PYTHON=$py NPROC_PER_NODE=1 MASTER_PORT=$rdzv_port OMP_NUM_THREADS=1 NO_COLOR=1 \
-    sbatch --parsable --nodes 2 --gpus-per-node=0 --cpus-per-task=1 --output "$log" --time 10 \
-    scripts/slurm_train.sbatch configs/debug.toml --training.steps "$steps" --lr_scheduler.warmup_steps 1 --job.dump_folder "$dump" "$@") ||
-    fail "sbatch refused the job"
-log=${log//%j/$job_id}
-started=$SECONDS
-while :; do
-    state=$(scontrol show job "$job_id" | sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p')
-    case $state in PENDING|CONFIGURING|RUNNING|COMPLETING|"") ;; *) break ;; esac
-    [ $((SECONDS - started)) -lt "$timeout" ] || fail "job $job_id still $state after ${timeout}s (log $log)"
-    sleep 1
-done
-exit_code=$(scontrol show job "$job_id" | sed -n 's/.* ExitCode=\([0-9:]*\).*/\1/p')
-nodes=$(scontrol show job "$job_id" | sed -n 's/^ *NodeList=\([^ ]*\).*/\1/p')
-job_id_done=$job_id; job_id=
+submit --training.steps "$steps" --lr_scheduler.warmup_steps 1 --job.dump_folder "$dump" "$@"
 [ "$state" = COMPLETED ] && [ "$exit_code" = 0:0 ] ||
-    fail "job $job_id_done ended $state, exit code $exit_code; its log: $(tail -n 20 "$log" 2> /dev/null)"
+    fail "job $job ended $state, exit code $exit_code; its log: $(tail -n 20 "$log" 2> /dev/null)"
+[ "$owner" = "$(id -un)" ] || fail "job $job ran as $owner, not as $(id -un)"
+[ "$nodes" = "n[1-2]" ] || fail "job $job ran on $nodes, not n[1-2]"
 for step in $(seq "$steps"); do
-    grep -q "^0: .*step: *$step " "$log" || fail "step $step of node 0 is not in the job's log $log"
+    for node in 0 1; do
+        grep -q "^$node: .*step: *$step " "$log" || fail "node $node's step $step is not in the job's log $log"
+    done
 done
+grep -q "^0: .*Sleeping 2 seconds for other ranks" "$log" || fail "global rank 0 is not on node 0 (node rank): $log"
 logged=$("$py" -c 'import json, sys; print(sum(1 for l in open(sys.argv[1]) if "loss" in json.loads(l)))' \
     "$dump/metrics.jsonl" 2> /dev/null || echo 0)
 [ "$logged" = "$steps" ] || fail "metrics.jsonl holds $logged steps, not $steps"
-echo "slurm_check: job $job_id_done on $nodes ($user) COMPLETED, $steps steps in ${SECONDS}s"
+trained=$job
+
+# A refusal: the config check stops the job before srun, its log is the one config error line.
+submit --moe.align 3
+[ "$state" = FAILED ] && [ "$exit_code" = 2:0 ] || fail "job $job (a bad [moe] align) ended $state, exit code $exit_code"
+[ "$(cat "$log")" = "config error: [moe] align = 3: must be one of 8, 16, 32" ] ||
+    fail "job $job's log is not the one config error line: $(head -c 600 "$log")"
+echo "slurm_check: job $trained trained $steps steps on $nodes as $(id -un), COMPLETED;" \
+     "job $job refused a bad config in one line; ${SECONDS}s"

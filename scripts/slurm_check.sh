@@ -2,28 +2,31 @@
 # A real SLURM run on one CPU machine: bash scripts/slurm_check.sh [--section.key value ...]
 #
 # Installs SLURM and munge from the OS packages when missing (apt; needs root or passwordless
-# sudo), starts munged, slurmctld and two slurmd ("nodes" n1 and n2, one per port) in a fresh
-# temporary folder, submits
-#     sbatch --nodes 2 scripts/slurm_train.sbatch configs/debug.toml --training.steps STEPS
-# with one CPU process per node (NPROC_PER_NODE=1, gloo), and checks that the job ends COMPLETED
-# with exit code 0 and that its log and metrics.jsonl hold every step. The daemons it started
-# are stopped on any exit. Exit status 0 on success, 1 with one "slurm_check: ..." line otherwise.
-# STEPS (default 3) and TIMEOUT (seconds for the job, default 300) from the environment.
+# sudo), starts munged, slurmctld and two slurmd ("nodes" n1 and n2: one host, two ports) in a
+# fresh temporary folder, and submits
+#     sbatch --nodes 2 scripts/slurm_train.sbatch configs/debug.toml --training.steps STEPS [ARGS]
+# with one CPU process per node (NPROC_PER_NODE=1, gloo): the job must end COMPLETED, exit code 0,
+# with every step of both nodes in its log, global rank 0 on the first node and every step in
+# metrics.jsonl. A second job with a bad config must fail with exit code 2 and the one config error
+# line. The daemons it started are stopped on any exit. Exit status 0 on success, else 1 and a
+# "slurm_check: ..." line (the folder with the daemons' logs is kept; KEEP=1 keeps it always).
+# STEPS (default 3) and TIMEOUT (seconds per job, default 300) from the environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${STEPS:-3}
 timeout=${TIMEOUT:-300}
 py=${PYTHON:-$( [ -x .venv/bin/python ] && echo "$PWD/.venv/bin/python" || echo python3 )}
 fail() { echo "slurm_check: $*" >&2; exit 1; }
+export PATH=$PATH:/usr/sbin:/sbin  # the daemons live there, outside a plain user's PATH
 
 if [ "$(id -u)" = 0 ]; then as_root=(); elif sudo -n true 2>/dev/null; then as_root=(sudo -n);
 else fail "needs root or passwordless sudo (to install and start slurmctld, slurmd, munged)"; fi
 
 # --- install (idempotent: apt only when a command is missing) ------------------------------
-if ! command -v slurmctld slurmd sbatch munged mungekey > /dev/null 2>&1 ||
-   [ "$(command -v slurmctld slurmd sbatch munged mungekey | wc -l)" != 5 ]; then
+missing=$(for cmd in slurmctld slurmd sbatch munged mungekey; do command -v "$cmd" > /dev/null || echo "$cmd"; done)
+if [ -n "$missing" ]; then
     command -v apt-get > /dev/null || fail "slurm is not installed and there is no apt-get to install it"
-    echo "slurm_check: installing slurmctld slurmd slurm-client munge from apt"
+    echo "slurm_check: installing slurmctld slurmd slurm-client munge from apt (missing:" $missing")"
     install=("${as_root[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends
              slurmctld slurmd slurm-client munge)
     "${install[@]}" > /dev/null 2>&1 || { "${as_root[@]}" apt-get update -q > /dev/null 2>&1 &&
@@ -63,7 +66,6 @@ socks = [socket.socket() for _ in range(4)]
 for s in socks: s.bind(("127.0.0.1", 0))
 print(*(s.getsockname()[1] for s in socks))')
 host=$(hostname -s)
-user=$(id -un)
 mkdir -p "$work"/state "$work"/out
 "${as_root[@]}" mungekey --create --keyfile "$work/munge.key"
 "${as_root[@]}" munged --force --socket "$work/munge.sock" --key-file "$work/munge.key" \

@@ -149,6 +149,7 @@ class Layout:
     def name(self) -> str:
         where = "" if self.ep == 1 else (" node" if self.ep <= self.gpus_per_node else " nodes")
         dp = f"FSDP {self.shard}" if self.replicate == 1 else f"HSDP {self.replicate}x{self.shard}"
+        dp = "one process (no FSDP)" if self.world == 1 else dp
         return f"EP {self.ep}{where} {self.dispatcher}, {dp}, AC {self.ac}"
 
 

@@ -19,13 +19,16 @@ Memory, per GPU, from first principles (no term fitted to a measurement). It pre
                 layer keeps for its backward, the output layer's loss (ops.linear_cross_entropy:
                 the [N, V] bf16 logits overwritten by their gradient, and the gradients of h and of
                 the weight) and the dispatcher's send and receive rows for one layer
+    staging     FSDP2's backward: a block's unsharded bf16 gradients and their fp32 copy for the
+                reduce-scatter, for two blocks (the previous reduce-scatter's input is kept until
+                the next one starts)
 The gradients are counted next to the forward's peak, not instead of it: they are allocated in
 the backward at parameter shapes, which the freed activation blocks (other shapes, smaller) do not
 fit, and without `expandable_segments` the allocator keeps both sets of segments reserved from one
-step to the next. One exception, `reuse`: on one process the gradients are allocated on the
-compute stream and the first of them fill the segment the loss's logits freed at the end of the
-forward; under FSDP2 they are the reduce-scatter's outputs, allocated on its own stream, whose
-pool never takes a block the compute stream freed. DeepEP's NVLink buffer (cudaMalloc'd by
+step to the next. One exception, `reuse`: the segment the loss's logits free at the end of the
+forward takes the backward's first large allocations on the compute stream: on one process the
+gradients; under FSDP2 the staging (the gradients are the reduce-scatter's outputs there, allocated
+on its own stream, whose pool never takes a block the compute stream freed). DeepEP's NVLink buffer (cudaMalloc'd by
 DeepEP, outside torch's counters) is not counted.
 
 Exchange time: rows of D bf16 values, one per (token, destination rank) as both dispatchers send
@@ -199,12 +202,13 @@ class Memory:
     activations: float
     loss: float
     dispatch: float
-    reuse: float  # <= 0: gradients placed in the logits' freed segment (one process)
+    staging: float  # FSDP2's reduce-scatter staging in the backward
+    reuse: float  # <= 0: the backward's first allocations placed in the logits' freed segment
 
     @property
     def total(self) -> float:
         return (self.params + self.grads + self.optimizer + self.compute_copies + self.activations + self.loss
-                + self.dispatch + self.reuse)
+                + self.dispatch + self.staging + self.reuse)
 
     def gib(self) -> dict[str, float]:
         parts = {k: v / GIB for k, v in vars(self).items()}
@@ -215,11 +219,13 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
     T, D, V, K = run.tokens, shape.dim, shape.vocab, shape.top_k
     one_process = layout.world == 1
     local = shape.params / layout.shard  # FSDP/HSDP shard every parameter; EP x efsdp = shard for experts
+    block = shape.attention_params + 2 * D + shape.expert_params / layout.ep  # unsharded, bf16 under FSDP2
     if one_process:  # autocast's bf16 copies of every matrix but the embedding and the fp32 router
         copies = 2 * (shape.params - shape.vocab * D - shape.n_layers * (shape.experts * D + 2 * D) - D)
+        staging = 0.0
     else:  # two unsharded blocks in flight (the router all-gathered in fp32), the output layer kept
-        block = 2 * (shape.attention_params + 2 * D + shape.expert_params / layout.ep) + 4 * shape.experts * D
-        copies = 2 * block + 2 * V * D
+        copies = 2 * (2 * block + 4 * shape.experts * D) + 2 * V * D
+        staging = 2 * (2 + 4) * block  # bf16 gradients + their fp32 reduce-scatter input, two blocks
     ep = layout.ep
     received = T * ranks_per_token(shape, ep) if ep > 1 else 0.0  # rows per (token, rank), per rank
     slots = T * K
@@ -235,9 +241,9 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
     logits = 2 * T * V  # bf16, overwritten by their gradient, freed at the end of the forward
     loss = logits + 2 * V * D + 2 * T * D  # + d weight, d h (bf16), kept for the backward
     dispatch = 2 * 2 * D * received  # one layer's send and receive rows (bf16) at a time
-    reuse = -min(logits, 4 * local) if one_process else 0.0
+    reuse = -min(logits, 4 * local if one_process else staging)
     return Memory(params=4 * local, grads=4 * local, optimizer=run.moments_bytes * local, compute_copies=copies,
-                  activations=acts, loss=loss, dispatch=dispatch, reuse=reuse)
+                  activations=acts, loss=loss, dispatch=dispatch, staging=staging, reuse=reuse)
 
 
 @dataclass
@@ -419,16 +425,16 @@ def report(argv: list[str]) -> str:
         f"({accum * run.tokens * world:,} tokens per step); AdamW moments {run.moments_bytes} B/param, "
         f"buffers {run.buffers}",
         "",
-        "| layout | params+grads+optimizer GiB | compute copies | activations | loss | dispatch | reuse | total GiB "
+        "| layout | params+grads+optimizer GiB | compute copies | activations | loss | dispatch | staging | reuse | total GiB "
         "| fits | exchange/layer us (NVLink MB, network MB) | est. step s (compute, exchange, fsdp) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         m = r.memory.gib()
         e, s = r.exchange, r.step
         lines.append(
             f"| {r.layout.name} | {m['params'] + m['grads'] + m['optimizer']:.1f} | {m['compute_copies']:.1f} | "
-            f"{m['activations']:.1f} | {m['loss']:.1f} | {m['dispatch']:.2f} | {m['reuse']:.1f} | {m['total']:.1f} | "
+            f"{m['activations']:.1f} | {m['loss']:.1f} | {m['dispatch']:.2f} | {m['staging']:.1f} | {m['reuse']:.1f} | {m['total']:.1f} | "
             f"{'yes' if r.fits(gpu) else 'no'} | {e.total_s * 1e6:.0f} ({e.nvlink_bytes / 1e6:.0f}, "
             f"{e.network_bytes / 1e6:.0f}) | {s['total']:.2f} ({s['compute']:.2f}, {s['exchange']:.2f}, {s['fsdp']:.2f}) |")
     lines.append("")

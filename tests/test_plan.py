@@ -132,3 +132,14 @@ def test_the_cli_prints_every_layout_and_a_recommendation():
     table = [line for line in text.splitlines() if line.startswith("| EP ")]
     assert len(table) == len(plan.layouts(2, 8, 128))
     assert text.splitlines()[-1].startswith("recommended: EP ")
+
+
+def test_a_layout_fits_only_with_the_models_10_percent_left():
+    gpu = GPUS["h200"]
+    layout = Layout(1, 2, 2, 1, "none", "all_to_all")
+    run = Run(4096, 2)
+    row = plan.Row(layout, plan.memory(SHAPE_8L, layout, run), None, {})
+    need = row.memory.total / GIB
+    assert row.fits(plan.Gpu("x", need / 0.89, 1, 1, 1))
+    assert not row.fits(plan.Gpu("x", need / 0.95, 1, 1, 1))
+    assert gpu.memory_gib == pytest.approx(140.4, abs=0.05)

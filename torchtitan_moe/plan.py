@@ -10,7 +10,7 @@ sends to other ranks and the link they cross, then recommends the fitting layout
 shortest estimated step. Nothing runs on a GPU: it is arithmetic on the flavor's shapes.
 
 Memory, per GPU, from first principles (no term fitted to a measurement). It predicts what
-`bench_train` prints: torch's peak *reserved* memory, the caching allocator's segments. Two pools:
+`bench_train` prints: torch's peak *reserved* memory, the caching allocator's segments. The parts:
     persistent  fp32 master weights (4 B), fp32 gradients (4 B) and the AdamW moments (8 B, or 4 B with
                 [optimizer] moments_dtype = "bfloat16") per local parameter (all sharded by FSDP/HSDP)
     forward     bf16 compute copies of the weights (one process: autocast's copies of every matrix,
@@ -28,8 +28,8 @@ fit, and without `expandable_segments` the allocator keeps both sets of segments
 step to the next. One exception, `reuse`: the segment the loss's logits free at the end of the
 forward takes the backward's first large allocations on the compute stream: on one process the
 gradients; under FSDP2 the staging (the gradients are the reduce-scatter's outputs there, allocated
-on its own stream, whose pool never takes a block the compute stream freed). DeepEP's NVLink buffer (cudaMalloc'd by
-DeepEP, outside torch's counters) is not counted.
+on its own stream, whose pool never takes a block the compute stream freed). DeepEP's NVLink
+buffer (cudaMalloc'd by DeepEP, outside torch's counters) is not counted.
 
 Exchange time: rows of D bf16 values, one per (token, destination rank) as both dispatchers send
 them; a token's K experts reach d = EP (1 - C(E - E/EP, K) / C(E, K)) ranks on average (uniform

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_moe import check_config
+from torchtitan_moe import check_config, plan
 
 from test_config import debug_with
 
@@ -132,16 +132,29 @@ OTHERS = [
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 
+# python -m torchtitan_moe.plan's flags (after the config file).
+PLAN = [
+    ([], "--nodes is missing: a number of nodes >= 1"),
+    (["--nodes", "0", "--gpus-per-node", "8"], "--nodes '0': must be a number of nodes >= 1"),
+    (["--nodes", "2"], "--gpus-per-node is missing: a number of GPUs per node >= 1"),
+    (["--nodes", "2", "--gpus-per-node", "eight"], "--gpus-per-node 'eight': must be a number of GPUs per node >= 1"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--gpu", "a100"], "--gpu 'a100': expected one of h200, h100, b200"),
+    (["--nodes", "1", "--gpus-per-node", "8", "--global-batch", "-4096"], "--global-batch '-4096': must be a number of tokens >= 1"),
+    (["--nodes", "1", "--gpus-per-node", "2", "--global-batch", "1000"],
+     "--global-batch 1000: must be a multiple of GPUs x seq_len x local_batch_size (2 x 128 x 8 = 2048 tokens)"),
+    (["--nodes", "1", "--gpus-per-node", "2", "--training.seq_len", "1"], "[training] seq_len = 1: must be >= 2"),
+]
 
-def run_check(argv: list[str]) -> tuple[int, str, str]:
+
+def run_check(argv: list[str], tool=check_config) -> tuple[int, str, str]:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = check_config.main(argv)
+        code = tool.main(argv)
     return code, out.getvalue(), err.getvalue()
 
 
-def assert_one_line(argv: list[str], expected: str) -> None:
-    code, out, err = run_check(argv)
+def assert_one_line(argv: list[str], expected: str, tool=check_config) -> None:
+    code, out, err = run_check(argv, tool)
     assert code == 2, (argv, out, err)
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("config error: "), (argv, err)
@@ -168,6 +181,11 @@ def test_a_value_of_the_wrong_type_is_one_line_in_toml_and_as_a_flag(tmp_path, s
 def test_other_refusals_are_one_line(overrides, expected, monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", None)  # this machine has no DeepEP, whatever is installed
     assert_one_line([DEBUG, *overrides], expected)
+
+
+@pytest.mark.parametrize("flags, expected", PLAN, ids=[" ".join(f)[:60] for f, _ in PLAN])
+def test_a_bad_planner_flag_is_one_line(flags, expected):
+    assert_one_line([DEBUG, *flags], expected, tool=plan)
 
 
 def test_the_table_has_at_least_80_bad_inputs():

@@ -1,6 +1,6 @@
 """HSDP x EP on the CPU (gloo, issue 23 item 1): 4 processes as replicate 2 x shard 2 with EP = 2
 train the debug model like ONE process that reads the same global batch, over 20 steps in fp32,
-with activation checkpointing off and on; a checkpoint saved under HSDP resumes under FSDP and under
+with activation checkpointing off and on, and so do 4 replicas of shard 1 (EP 1); a checkpoint saved under HSDP resumes under FSDP and under
 EP = 1 like a resume in the same layout.
 
 The one-process reference reads, each step, the batches of the 4 data-parallel ranks side by side
@@ -53,7 +53,8 @@ def run(dump: Path, *overrides: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hsdp")
-    plan = [run(out / "hsdp", *HSDP, *RESUME), run(out / "hsdp_ac", *HSDP, "--activation_checkpoint.mode", "full")]
+    plan = [run(out / "hsdp", *HSDP, *RESUME), run(out / "hsdp_ac", *HSDP, "--activation_checkpoint.mode", "full"),
+            run(out / "replicate4", "--parallelism.data_parallel_replicate_degree", "4")]
     for i, overrides in enumerate(RESUMES.values()):
         step = out / "hsdp" / "checkpoint" / f"step-{SAVED}"
         plan += [{"copy": [str(step), str(out / f"resume{i}" / "checkpoint" / step.name)]},
@@ -77,8 +78,9 @@ def assert_within(name: str, base: list[dict], other: list[dict], grad_rtol: flo
 ONE_PROCESS_GRAD_RTOL = 3e-5
 
 
-@pytest.mark.parametrize("folder", ["hsdp", "hsdp_ac"])
+@pytest.mark.parametrize("folder", ["hsdp", "hsdp_ac", "replicate4"])
 def test_hsdp_ep2_equals_one_process_over_all_replicas_tokens(runs, folder):
+    """replicate4: replication only (4 x shard 1, EP 1: FSDP2 on a shard group of one is DDP)."""
     one, hsdp = parity.read_metrics(runs / "one" / "run"), parity.read_metrics(runs / folder)
     assert [r["step"] for r in hsdp] == list(range(1, STEPS + 1))
     assert parity.fingerprint_difference(parity.read_fingerprint(runs / "one" / "run"),

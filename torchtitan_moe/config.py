@@ -445,12 +445,6 @@ def check_data_parallel(replicate: int, shard: int, ep: int, world_size: int) ->
         f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree "
         f"({shard}) must equal the number of processes ({world_size})",
     )
-    _need(
-        not (replicate > 1 and shard_size == 1),
-        f"[parallelism] data_parallel_replicate_degree = {replicate} with a shard group of 1 process (replication "
-        "only, DDP) is not supported; use data_parallel_replicate_degree = 1 (FSDP over every process trains the "
-        "same model)",
-    )
     if replicate > 1:
         _need(
             shard_size % ep == 0,

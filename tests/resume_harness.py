@@ -171,7 +171,9 @@ def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
     init_logger()
     prepare(["--job.config_file", DEBUG])  # the CPU shim and the TrainSpec, once
-    dist.init_process_group("gloo")  # torchtitan's Trainer reuses it
+    if torch.cuda.is_available():  # scripts/hsdp_gpu.py: one GPU per process, NCCL
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # torchtitan's Trainer reuses it
     # torchtitan's train() ends with a 2 s sleep on rank 0 "for other ranks"; the barriers here do that.
     sleep = time.sleep
     time.sleep = lambda seconds: None if seconds == 2 else sleep(seconds)

@@ -4,6 +4,8 @@
 
 PLAN.json is a list of operations that every rank runs in order:
     {"train": [override, ...]}                 configs/debug.toml + overrides, as `python -m torchtitan_moe.train`
+                                               (+ "data_of_ranks": N: one process reads, each step, the batches
+                                               of N data-parallel ranks side by side: N ranks' tokens at once)
     {"refused": [override, ...], "out": path}  a run that must stop with a CheckpointError; rank 0 writes the line
     {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
     {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
@@ -47,6 +49,33 @@ def train(overrides: list[str], adapt=None) -> None:
         trainer.close()
         del trainer
         gc.collect()
+
+
+class RanksSideBySide:
+    """The batches `loaders` (one per data-parallel rank) give, concatenated along the batch: one
+    process then trains on the global batch that len(loaders) ranks would."""
+
+    dp_world_size = 1  # this process is the only data-parallel rank (what the trainer's checks read)
+
+    def __init__(self, loaders):
+        self.loaders = loaders
+
+    def __iter__(self):
+        for batches in zip(*self.loaders):
+            inputs = {k: torch.cat([b[0][k] for b in batches]) for k in batches[0][0]}
+            yield inputs, torch.cat([b[1] for b in batches])
+
+
+def data_of_ranks(n: int):
+    """adapt(trainer) for `train`: a one-process run that reads the data of n data-parallel ranks."""
+
+    def adapt(trainer) -> None:
+        assert dist.get_world_size() == 1, "data_of_ranks is a one-process reference"
+        build = trainer.train_spec.build_dataloader_fn
+        trainer.dataloader = RanksSideBySide([build(dp_world_size=n, dp_rank=r, tokenizer=trainer.tokenizer,
+                                                    job_config=trainer.job_config) for r in range(n)])
+
+    return adapt
 
 
 def host_syncs(overrides: list[str], out: str) -> None:
@@ -142,7 +171,9 @@ def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
     init_logger()
     prepare(["--job.config_file", DEBUG])  # the CPU shim and the TrainSpec, once
-    dist.init_process_group("gloo")  # torchtitan's Trainer reuses it
+    if torch.cuda.is_available():  # scripts/hsdp_gpu.py: one GPU per process, NCCL
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # torchtitan's Trainer reuses it
     # torchtitan's train() ends with a 2 s sleep on rank 0 "for other ranks"; the barriers here do that.
     sleep = time.sleep
     time.sleep = lambda seconds: None if seconds == 2 else sleep(seconds)
@@ -150,7 +181,7 @@ def main(plan_path: str) -> int:
         print(f"resume_harness: op {i}: {op}", flush=True)
         with output_to(op.get("log")):
             if "train" in op:
-                train(op["train"])
+                train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)
             elif "host_syncs" in op:
                 host_syncs(op["host_syncs"], op["out"])
             elif "refused" in op:

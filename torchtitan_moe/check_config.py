@@ -40,10 +40,12 @@ def check_machine(config, nproc_per_node: int | None = None) -> None:
         tuned.load_named(config.dispatch.tuned_file)  # missing, or not parsing: refused here
     ep = config.parallelism.expert_parallel_degree
     if config.dispatch.backend == "deepep":
-        if nproc_per_node is not None and ep > nproc_per_node:
+        # EP groups are runs of EP consecutive ranks (the innermost mesh dimension, under HSDP too):
+        # each stays in one node exactly when EP divides the processes per node.
+        if nproc_per_node is not None and nproc_per_node % ep != 0:
             raise ConfigError(f"[parallelism] expert_parallel_degree = {ep} with [dispatch] backend = 'deepep': EP "
                               f"would span nodes ({nproc_per_node} processes per node) and DeepEP's kernels are "
-                              "intranode; use backend = 'all_to_all' there, or EP <= the GPUs of a node")
+                              "intranode; use backend = 'all_to_all' there, or an EP that divides the GPUs of a node")
         try:
             import_deep_ep()
         except DeepEPUnavailable as e:

@@ -382,19 +382,10 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     if shard != -1:
         _need(shard >= 1, f"[parallelism] data_parallel_shard_degree = {shard}: must be -1 (all) or >= 1")
         _need(shard % ep == 0, f"[parallelism] expert_parallel_degree = {ep}: must divide data_parallel_shard_degree ({shard})")
+    replicate = par.data_parallel_replicate_degree
+    _need(replicate >= 1, f"[parallelism] data_parallel_replicate_degree = {replicate}: must be >= 1")
     if world_size is not None:
-        replicate = par.data_parallel_replicate_degree
-        shard_size = world_size // replicate if shard == -1 else shard
-        _need(
-            replicate * shard_size == world_size,
-            f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree "
-            f"({shard}) must equal the number of processes ({world_size})",
-        )
-        _need(
-            shard_size % ep == 0,
-            f"[parallelism] expert_parallel_degree = {ep}: must divide the FSDP group size ({shard_size} "
-            f"of {world_size} processes)",
-        )
+        check_data_parallel(replicate, shard, ep, world_size)
 
     if cfg.model.name == "qwen3_moe":  # [dispatch] configures our MoE layers; torchtitan's has its own EP
         check_dispatch(cfg, ep)
@@ -435,6 +426,38 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
             "[checkpoint] last_save_in_hf = true: Hugging Face Qwen3-MoE routes with score_func = 'softmax' and "
             "route_scale = 1.0 only",
         )
+
+
+def check_data_parallel(replicate: int, shard: int, ep: int, world_size: int) -> None:
+    """HSDP (replicate x shard) and EP against the number of processes.
+
+    torchtitan 0.2.2's meshes are world = dp_replicate x fsdp (dense) = dp_replicate x efsdp x ep
+    (experts): EP splits one replica's FSDP group, never the replicas, so EP must divide it.
+    """
+    if shard == -1:
+        _need(world_size % replicate == 0,
+              f"[parallelism] data_parallel_replicate_degree = {replicate}: must divide the number of processes "
+              f"({world_size}); each replica shards over the processes / replicate that data_parallel_shard_degree "
+              "= -1 gives it")
+    shard_size = world_size // replicate if shard == -1 else shard
+    _need(
+        replicate * shard_size == world_size,
+        f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree "
+        f"({shard}) must equal the number of processes ({world_size})",
+    )
+    if replicate > 1:
+        _need(
+            shard_size % ep == 0,
+            f"[parallelism] expert_parallel_degree = {ep} with data_parallel_replicate_degree = {replicate}: EP splits "
+            f"one replica's FSDP group ({shard_size} of {world_size} processes; torchtitan's mesh is dp_replicate x "
+            f"efsdp x ep), so it must divide {shard_size}; use a smaller EP, or data_parallel_replicate_degree = 1 "
+            f"for EP up to {world_size}",
+        )
+    _need(
+        shard_size % ep == 0,
+        f"[parallelism] expert_parallel_degree = {ep}: must divide the FSDP group size ({shard_size} "
+        f"of {world_size} processes)",
+    )
 
 
 def check_dispatch(cfg: Any, ep: int) -> None:

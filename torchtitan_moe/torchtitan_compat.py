@@ -70,6 +70,7 @@ __all__ = [
     "build_lr_schedulers",
     "build_optimizers",
     "check_torchtitan_version",
+    "data_parallel_mesh",
     "dist_utils",
     "enable_cpu_training",
     "exit_process",
@@ -260,6 +261,18 @@ def use_sum_reductions(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
+
+
+def data_parallel_mesh(parallel_dims: ParallelDims):
+    """The mesh FSDP2 shards and replicates the dense parameters over: ("dp_replicate", "fsdp")
+    under HSDP, ("fsdp",) under FSDP. With replication only (fsdp of 1) torchtitan 0.2.2 hands out
+    no "fsdp" mesh (it would use DDP); FSDP2 on its 2-D dense mesh is then DDP: a shard group of
+    one process gathers and scatters nothing, and the gradients are summed over the replicas."""
+    if parallel_dims.fsdp_enabled:
+        names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
+        return parallel_dims.get_mesh(names)
+    parallel_dims.world_mesh  # builds the meshes
+    return parallel_dims._global_meshes["dense"]["dp_replicate", "fsdp"]
 
 
 def exit_process(code: int) -> None:

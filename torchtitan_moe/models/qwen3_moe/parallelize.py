@@ -16,7 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from torchtitan_moe.parallel.build import build_dispatchers
-from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, logger, use_sum_reductions
+from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,10 +48,8 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(model, job_config.compile.backend)
 
-    if parallel_dims.fsdp_enabled:
+    if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
         apply_fsdp(model, parallel_dims, job_config)
-    elif parallel_dims.dp_replicate_enabled:
-        raise ValueError("[parallelism] data_parallel_replicate_degree > 1 without sharding is not supported; use FSDP")
     return model
 
 
@@ -88,8 +86,7 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
         reduce_dtype=_DTYPES[training.mixed_precision_reduce],
     )
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    dp_names = ["dp_replicate", "fsdp"] if parallel_dims.dp_replicate_enabled else ["fsdp"]
-    dp_mesh = parallel_dims.get_mesh(dp_names)
+    dp_mesh = data_parallel_mesh(parallel_dims)  # (dp_replicate,) fsdp: HSDP, FSDP, or replication only
     ep = parallel_dims.ep
     reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
 
@@ -118,4 +115,4 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
     use_sum_reductions(model)
-    logger.info(f"Applied FSDP2 over {dp_names} ({dp_mesh.size()} ranks), EP = {ep}")
+    logger.info(f"Applied FSDP2 over {list(dp_mesh.mesh_dim_names)} {tuple(dp_mesh.shape)}, EP = {ep}")

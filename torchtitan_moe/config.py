@@ -428,7 +428,9 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
             router.bias_update_rate == 0,
             f"[checkpoint] last_save_in_hf = true with [router] bias_update_rate = {router.bias_update_rate}: Hugging "
             "Face Qwen3-MoE has no expert bias, so the export would route unlike the trained model; set "
-            "bias_update_rate = 0, or export later with `python -m torchtitan_moe.convert to-hf STEP OUT --drop-expert-bias`",
+            "bias_update_rate = 0 (the shipped configs balance with balance_loss = 'global_batch'), or export later with "
+            "`python -m torchtitan_moe.convert to-hf STEP OUT --drop-expert-bias --config RUN.toml`, which prints what "
+            "dropping the bias costs",
         )
         _need(
             router.score_func in (None, "softmax") and router.route_scale == 1.0,

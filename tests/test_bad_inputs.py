@@ -119,7 +119,6 @@ OTHERS = [
     (["--parallelism.expert_parallel_degree", "4", "--nproc", "2"], "must divide the FSDP group size (2 of 2 processes)"),
     (["--parallelism.data_parallel_replicate_degree", "3", "--nproc", "2"], "must equal the number of processes (2)"),
     (["--training.global_batch_size", "24", "--nproc", "2"], "[training] global_batch_size = 24: must be a multiple"),
-    (["--compile.enable", "--activation_checkpoint.mode", "full"], "[router] balance_loss = 'global_batch' with [compile] enable"),
     (["--training.dataset", "text", "--training.dataset_path", "/nonexistent"], "[training] dataset_path = '/nonexistent'"),
     (["--nproc", "0"], "--nproc '0': must be a number of processes >= 1"),
     (["--model.init_from", "qwen3_moe"], "[model] init_from = 'qwen3_moe' is for the torchtitan_qwen3_moe baseline"),

@@ -1,6 +1,7 @@
 """`convert to-hf --drop-expert-bias` measures what dropping the expert bias costs (bias_cost.py), against the
 whole model run with and without its bias; a zero bias costs nothing; the refusals are one line each."""
 
+import dataclasses
 import json
 
 import pytest
@@ -23,8 +24,8 @@ def save(model, folder) -> str:
     return str(folder)
 
 
-def model_with_bias(bias_std=BIAS_STD):
-    model = build_ours(flavor_args("debug"))
+def model_with_bias(bias_std=BIAS_STD, args=None):
+    model = build_ours(args or flavor_args("debug"))
     randomize_(model, seed=3)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
@@ -103,10 +104,14 @@ def test_zero_bias_costs_nothing_and_needs_no_tokens(tmp_path, capsys):
 
 
 def test_the_synthetic_stream_of_the_run_is_held_out(tmp_path, capsys):
-    step = save(model_with_bias(), tmp_path / "step")
+    args = flavor_args("debug")
+    args.moe = dataclasses.replace(args.moe, route_norm=not args.moe.route_norm)  # unlike debug.toml's
+    step = save(model_with_bias(args=args), tmp_path / "step")
     assert convert.main(["to-hf", step, str(tmp_path / "hf"), "--drop-expert-bias", "--config", "configs/debug.toml",
                          "--eval-batches", "1"]) == 0
     assert "1,024 tokens" in capsys.readouterr().out.splitlines()[0]  # one batch of the run's 8 x 128
+    # The model is what the step folder recorded (model_args.json); --config only names the held-out data.
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] == args.moe.route_norm
     from torchtitan_moe.bias_cost import HELD_OUT_RANK, synthetic_held_out
     from torchtitan_moe.config_loader import load_job_config
 

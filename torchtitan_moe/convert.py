@@ -304,19 +304,21 @@ def run_config(opts):
 
 
 def resolve_args(checkpoint: str, opts, job_config=None) -> Qwen3MoEArgs:
-    """The model settings of a DCP checkpoint: its model_args.json, --config (`job_config`), or --flavor."""
-    if job_config is not None:
-        args = flavor_args(job_config.model.flavor)
-        args.update_from_config(job_config)
-    elif opts.flavor:
+    """The model settings of a DCP checkpoint: --flavor, else its model_args.json (what the run trained),
+    else --config (`job_config`; with model_args.json, --config only names the held-out data)."""
+    saved = read_model_args(checkpoint)
+    if opts.flavor:
         if opts.flavor not in FLAVORS:
             raise ConvertError(f"--flavor {opts.flavor}: expected one of {', '.join(FLAVORS)}")
         args = flavor_args(opts.flavor)
+    elif saved is not None:
+        args = saved
+    elif job_config is not None:
+        args = flavor_args(job_config.model.flavor)
+        args.update_from_config(job_config)
     else:
-        args = read_model_args(checkpoint)
-        if args is None:
-            raise ConvertError(f"{checkpoint} has no model_args.json: pass --config RUN.toml (the run's config) "
-                               "or --flavor NAME with the run's --num-experts/--top-k/--inter-dim")
+        raise ConvertError(f"{checkpoint} has no model_args.json: pass --config RUN.toml (the run's config) "
+                           "or --flavor NAME with the run's --num-experts/--top-k/--inter-dim")
     overrides = {k: v for k, v in (("num_experts", opts.num_experts), ("top_k", opts.top_k),
                                    ("inter_dim", opts.inter_dim)) if v is not None}
     if overrides:
@@ -331,7 +333,8 @@ def parse(argv: list[str] | None):
     out.add_argument("checkpoint", help="a step folder, e.g. outputs/run/checkpoint/step-1000")
     out.add_argument("out", help="the Hugging Face folder to write")
     out.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    out.add_argument("--config", help="the run's TOML (when the step folder has no model_args.json)")
+    out.add_argument("--config", help="the run's TOML: its model settings when the step folder has no model_args.json, "
+                                      "its synthetic stream for --drop-expert-bias")
     out.add_argument("--flavor", help="the run's flavor (when the step folder has no model_args.json)")
     out.add_argument("--num-experts", type=int)
     out.add_argument("--top-k", type=int)

@@ -114,8 +114,8 @@ def test_against_torchtitan_checks_that_its_own_init_differs(tmp_path, monkeypat
     argv = [CONFIG, "--against", "torchtitan", "--out", str(tmp_path), "--no-plot"]
     assert parity.main(argv) == 0
     report = (tmp_path / "parity.md").read_text()
-    assert "| + expert-bias update | 5.0000 | 4.0000 | +0.0000 | +0.0000 |" not in report  # no step 30 here
-    assert "| + expert-bias update | 4.0000 | +0.0000 |" in report and "(attribution)" in report
+    assert "| + balance and z losses | 5.0000 | 4.0000 | +0.0000 | +0.0000 |" not in report  # no step 30 here
+    assert "| + balance and z losses | 4.0000 | +0.0000 |" in report and "(attribution)" in report
     # ... and fails when the own init was not one (the copy went the wrong way, or not at all).
     monkeypatch.setattr(parity, "launch", fake_launch(lambda dump: {"w": [1.0, 2.0]}))
     assert parity.main(argv) == 1

@@ -11,8 +11,9 @@
 # even in one process: the global one counts f over the step's micro-batches so far.
 # -> OUT/router_recipes.md (the table, also printed), OUT/<recipe>.log, OUT/<recipe>/metrics.jsonl
 #
-# Recipes: bias (aux-loss-free expert bias alone, the default), none (no balancing at all),
-# sequence / micro_batch / global_batch balance loss (BALANCE_COEFF, bias off), global_batch+z
+# Recipes: bias (aux-loss-free expert bias alone), none (no balancing at all),
+# sequence / micro_batch / global_batch balance loss (BALANCE_COEFF, bias off; global_batch is the
+# shipped configs' recipe), global_batch+z
 # (plus a 1e-3 z-loss), groups (bias + DeepSeek-V3 group-limited routing, ROUTER_GROUPS="n_groups topk_groups").
 # Environment: CONFIG, STEPS (200), SEQ (512 for the 30B config, else the config's), BATCH (local
 # batch: 2 for the 30B config, else 4), MICRO_BATCHES (2), BALANCE_COEFF (1e-3), ROUTER_GROUPS
@@ -35,13 +36,13 @@ recipes=(${RECIPES:-bias none sequence micro_batch global_batch global_batch+z g
 mkdir -p "$out"
 
 declare -A overrides=(
-    [bias]="--router.bias_update_rate 1e-3"
-    [none]="--router.bias_update_rate 0"
+    [bias]="--router.bias_update_rate 1e-3 --router.balance_loss none --router.balance_loss_coeff 0"
+    [none]="--router.bias_update_rate 0 --router.balance_loss none --router.balance_loss_coeff 0"
     [sequence]="--router.bias_update_rate 0 --router.balance_loss sequence --router.balance_loss_coeff $coeff"
     [micro_batch]="--router.bias_update_rate 0 --router.balance_loss micro_batch --router.balance_loss_coeff $coeff"
     [global_batch]="--router.bias_update_rate 0 --router.balance_loss global_batch --router.balance_loss_coeff $coeff"
     [global_batch+z]="--router.bias_update_rate 0 --router.balance_loss global_batch --router.balance_loss_coeff $coeff --router.z_loss_coeff 1e-3"
-    [groups]="--router.bias_update_rate 1e-3 --router.n_groups $n_groups --router.topk_groups $topk_groups"
+    [groups]="--router.bias_update_rate 1e-3 --router.balance_loss none --router.balance_loss_coeff 0 --router.n_groups $n_groups --router.topk_groups $topk_groups"
 )
 
 ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())") || exit 1

@@ -68,19 +68,22 @@ def test_both_models_compute_the_same_logits(monkeypatch):
 def test_against_torchtitan_switches_each_difference_back_alone():
     settings = parity.against_torchtitan(CONFIG, [])
     names = [s.name for s in settings]
-    # debug.toml updates the expert bias; on CPU its gate and kernels already match (fp32, torch).
-    assert names == ["torchtitan", "ours as torchtitan", "torchtitan, again", "+ expert-bias update", "+ fp32 gate",
-                     "+ our kernels and loss", "ours", "torchtitan, own init"]
-    as_tt, bias = dict(settings[1].values), dict(settings[3].values)
-    assert as_tt["router.bias_update_rate"] == "0" and bias["router.bias_update_rate"] == "0.001"
-    assert {k: v for k, v in bias.items() if k != "router.bias_update_rate"} == \
-        {k: v for k, v in as_tt.items() if k != "router.bias_update_rate"}
+    # debug.toml trains with the global-batch balance loss; on CPU its gate and kernels already match (fp32, torch).
+    assert names == ["torchtitan", "ours as torchtitan", "torchtitan, again", "+ fp32 gate", "+ our kernels and loss",
+                     "+ balance and z losses", "ours", "torchtitan, own init"]
+    as_tt, losses = dict(settings[1].values), dict(settings[5].values)
+    assert as_tt["router.balance_loss"] == "none" and losses["router.balance_loss"] == "global_batch"
+    assert losses["router.balance_loss_coeff"] == "0.1"
+    keys = ("router.balance_loss", "router.balance_loss_coeff", "router.z_loss_coeff")
+    assert {k: v for k, v in losses.items() if k not in keys} == {k: v for k, v in as_tt.items() if k not in keys}
     assert [s.checked for s in settings[1:]] == [True] + [False] * 6
     assert settings[2].values == settings[0].values
     assert not settings[-1].same_init and dict(settings[0].values)["model.init_from"] == "qwen3_moe"
-    recipe = parity.against_torchtitan(CONFIG, ["--router.balance_loss", "global_batch",
-                                                "--router.balance_loss_coeff", "0.01"])
-    assert "+ balance and z losses" in [s.name for s in recipe]
+    bias = parity.against_torchtitan(CONFIG, ["--router.bias_update_rate", "1e-3", "--router.balance_loss", "none",
+                                              "--router.balance_loss_coeff", "0"])
+    (update,) = [s for s in bias if s.name == "+ expert-bias update"]
+    assert dict(update.values)["router.bias_update_rate"] == "0.001"
+    assert "+ balance and z losses" not in [s.name for s in bias]
 
 
 def fake_launch(prints_of):
@@ -111,8 +114,8 @@ def test_against_torchtitan_checks_that_its_own_init_differs(tmp_path, monkeypat
     argv = [CONFIG, "--against", "torchtitan", "--out", str(tmp_path), "--no-plot"]
     assert parity.main(argv) == 0
     report = (tmp_path / "parity.md").read_text()
-    assert "| + expert-bias update | 5.0000 | 4.0000 | +0.0000 | +0.0000 |" not in report  # no step 30 here
-    assert "| + expert-bias update | 4.0000 | +0.0000 |" in report and "(attribution)" in report
+    assert "| + balance and z losses | 5.0000 | 4.0000 | +0.0000 | +0.0000 |" not in report  # no step 30 here
+    assert "| + balance and z losses | 4.0000 | +0.0000 |" in report and "(attribution)" in report
     # ... and fails when the own init was not one (the copy went the wrong way, or not at all).
     monkeypatch.setattr(parity, "launch", fake_launch(lambda dump: {"w": [1.0, 2.0]}))
     assert parity.main(argv) == 1

@@ -188,9 +188,9 @@ def test_checkpoint_config_defaults_and_refusals(tmp_path):
     with pytest.raises(ConfigError, match="also set last_save_model_only = true"):
         parse(tmp_path, "--checkpoint.last_save_in_hf")
     with pytest.raises(ConfigError, match="bias_update_rate = 0.001: Hugging Face Qwen3-MoE has no expert bias"):
-        parse(tmp_path, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")
-    ok = parse(tmp_path, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
-             "--router.bias_update_rate", "0")
+        parse(tmp_path, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only",
+              "--router.bias_update_rate", "1e-3")
+    ok = parse(tmp_path, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only")  # the default recipe
     assert ok.checkpoint.last_save_in_hf
 
 

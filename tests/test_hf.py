@@ -141,7 +141,9 @@ def test_to_hf_refuses_what_hf_cannot_express(tmp_path, capsys):
     assert "num_experts 8 vs 16 (checkpoint vs this run); set [moe] num_experts" in err
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), out, "--flavor", "30b-a3b"]) == 2
     assert "n_layers 4 vs 48" in capsys.readouterr().err
-    assert convert.main(["to-hf", str(tmp_path / "ckpt"), out, "--flavor", "debug", "--drop-expert-bias"]) == 0
+    # --drop-expert-bias first measures what that costs, on held-out tokens (tests/test_bias_cost.py)
+    assert convert.main(["to-hf", str(tmp_path / "ckpt"), out, "--flavor", "debug", "--drop-expert-bias"]) == 2
+    assert "measures what dropping the bias costs on held-out tokens first" in capsys.readouterr().err
 
 
 def test_convert_refuses_a_non_empty_output_folder_unless_forced(tmp_path, capsys):

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from torchtitan_moe.models.qwen3_moe.parallelize import compile_router
 from torchtitan_moe.moe import MoE, MoEArgs, Router
 from torchtitan_moe.moe.balance import reduce_step_stats
 from torchtitan_moe.moe.router import balanced_experts, group_limited_topk
@@ -214,11 +215,17 @@ def test_global_batch_counts_the_step_so_far_and_starts_each_step_afresh():
         MoE.aux_loss_scale = 1.0
 
 
-def test_checkpointed_recompute_counts_once_and_gives_the_same_gradients():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_checkpointed_recompute_counts_once_and_gives_the_same_gradients(compiled):
+    # Compiled as parallelize does it: the recompute runs the compiled region again in full, so the
+    # global counts must stay outside it (they were inside it once, and counted twice).
     x, grad = torch.randn(2, 6, DIM), torch.randn(2, 6, DIM)
     results = []
     for use_checkpoint in (False, True):
         layer = make_layer(balance_loss="global_batch", balance_loss_coeff=0.1, z_loss_coeff=0.01)
+        if compiled:
+            torch._dynamo.reset()
+            compile_router(layer.router, "aot_eager")
         for _ in range(2):  # two micro-batches: the second one's f counts both
             inp = x.clone().requires_grad_()
             out = checkpoint(layer, inp, use_reentrant=False) if use_checkpoint else layer(inp)

@@ -1,7 +1,8 @@
 """Convert between our DCP checkpoints and Hugging Face Qwen3-MoE folders (safetensors + config.json).
 
-    python -m torchtitan_moe.convert to-hf CHECKPOINT OUT [--dtype bfloat16] [--drop-expert-bias]
+    python -m torchtitan_moe.convert to-hf CHECKPOINT OUT [--dtype bfloat16]
         [--config RUN.toml | --flavor NAME [--num-experts N] [--top-k K] [--inter-dim I]]
+        [--drop-expert-bias [--eval-tokens FILE] [--eval-batches 8]]
     python -m torchtitan_moe.convert from-hf HF_FOLDER OUT [--dtype float32]
 
 to-hf reads one of our step folders (full or model-only, saved at any FSDP/EP layout: DCP keeps
@@ -9,6 +10,9 @@ global tensors) one layer at a time and writes safetensors shards of at most --s
 index and config.json: `transformers` loads the folder with `from_pretrained`. The model's
 settings come from the step folder's model_args.json (our trainer writes one with every save),
 else from --config (the run's TOML) or --flavor; the checkpoint's shapes must fit them.
+A checkpoint trained with the expert bias (aux-loss-free balancing) is refused: Hugging Face
+Qwen3-MoE has none. --drop-expert-bias exports it anyway and first measures and prints what that
+costs (bias_cost.py) on held-out tokens: the run's synthetic stream (--config) or --eval-tokens.
 
 from-hf writes a model-only DCP checkpoint (with its model_args.json); a run starts from it with
 `--checkpoint.initial_load_path OUT`. A run also reads a Hugging Face folder as it is:
@@ -28,6 +32,7 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
+from torchtitan_moe.bias_cost import BiasCost, measure_bias_cost, synthetic_held_out, token_file_batches
 from torchtitan_moe.checkpoint import (
     model_shapes,
     read_dcp_metadata,
@@ -48,6 +53,9 @@ from torchtitan_moe.models.qwen3_moe.state_dict_adapter import (
 )
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EVAL_BATCHES = 8  # default --eval-batches
+NEED_HELD_OUT = ("--drop-expert-bias measures what dropping the bias costs on held-out tokens first: pass --config "
+                 "RUN.toml (the run's synthetic stream) or --eval-tokens FILE")
 
 
 class ConvertError(ValueError):
@@ -113,7 +121,10 @@ def load_dcp(checkpoint: str, keys: list[str], metadata) -> dict[str, torch.Tens
 
 
 def to_hf(checkpoint: str, out: str, args: Qwen3MoEArgs, dtype: torch.dtype = torch.bfloat16,
-          drop_expert_bias: bool = False, shard_bytes: int = 5 * 2**30, show_progress: bool = True) -> None:
+          drop_expert_bias: bool = False, shard_bytes: int = 5 * 2**30, show_progress: bool = True,
+          held_out=None) -> BiasCost | None:
+    """Export `checkpoint` to `out`. A non-zero expert bias is refused unless `drop_expert_bias`; then what
+    dropping it costs is measured first on `held_out()` (batches of held-out tokens) and returned."""
     if not os.path.isfile(os.path.join(checkpoint, ".metadata")):
         raise ConvertError(f"{checkpoint}: not a complete DCP checkpoint (no .metadata)")
     metadata = read_dcp_metadata(checkpoint)
@@ -122,7 +133,12 @@ def to_hf(checkpoint: str, out: str, args: Qwen3MoEArgs, dtype: torch.dtype = to
     if mismatch:
         raise ConvertError(f"{checkpoint} does not fit the model settings given: {mismatch}")
     check_exportable(args)
-    check_expert_bias(checkpoint, metadata, drop_expert_bias)
+    cost = None
+    if check_expert_bias(checkpoint, metadata, drop_expert_bias) > 0:
+        if held_out is None:
+            raise ConvertError(NEED_HELD_OUT)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        cost = measure_bias_cost(args, lambda keys: load_dcp(checkpoint, keys, metadata), held_out(), device)
 
     adapter = Qwen3MoEStateDictAdapter(args)
     groups = groups_by_layer(shapes, r"layers\.(\d+)\.")
@@ -161,19 +177,39 @@ def to_hf(checkpoint: str, out: str, args: Qwen3MoEArgs, dtype: torch.dtype = to
             json.dump(index, f, indent=2)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config(args, dtype), f, indent=2)
+    return cost
 
 
-def check_expert_bias(checkpoint: str, metadata, drop: bool) -> None:
+def check_expert_bias(checkpoint: str, metadata, drop: bool) -> float:
+    """The largest |expert bias| of the checkpoint; a non-zero one is refused unless `drop`."""
     keys = [k for k in metadata.state_dict_metadata if k.endswith("moe.router.expert_bias")]
-    if not keys or drop:
-        return
+    if not keys:
+        return 0.0
     biases = load_dcp(checkpoint, keys, metadata)
     worst_key = max(keys, key=lambda k: float(biases[k].abs().max()))
     worst = float(biases[worst_key].abs().max())
-    if worst > 0:
+    if worst > 0 and not drop:
         raise ConvertError(
             f"{worst_key} is not zero (max |bias| {worst:.3g}): Hugging Face Qwen3-MoE has no expert bias, so the "
-            "export would pick other experts than the trained model does; pass --drop-expert-bias to export anyway")
+            "export would pick other experts than the trained model does; pass --drop-expert-bias to export anyway "
+            "(it first prints what that costs)")
+    return worst
+
+
+def held_out_batches(opts, job_config, vocab_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The held-out tokens --drop-expert-bias measures on: --eval-tokens, else the --config run's stream."""
+    if opts.eval_tokens:
+        try:
+            return token_file_batches(opts.eval_tokens, opts.eval_batches, vocab_size)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ConvertError(f"--eval-tokens {opts.eval_tokens}: {e}") from None
+    if job_config is None:
+        raise ConvertError(NEED_HELD_OUT)
+    if job_config.training.dataset != "synthetic":
+        raise ConvertError(f"--config {opts.config}: [training] dataset = {job_config.training.dataset!r} is what "
+                           "the run trained on, not held out: pass --eval-tokens FILE (held-out token ids "
+                           "[sequences, length + 1], saved with torch.save)")
+    return synthetic_held_out(job_config, vocab_size, opts.eval_batches)
 
 
 # ---------------------------------------------------------------------------------------
@@ -258,23 +294,31 @@ def start_hint(args: Qwen3MoEArgs, out: str) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-def resolve_args(checkpoint: str, opts) -> Qwen3MoEArgs:
-    """The model settings of a DCP checkpoint: its model_args.json, --config, or --flavor."""
-    if opts.config:
-        from torchtitan_moe.train import prepare
+def run_config(opts):
+    """The --config run's job config (None without --config)."""
+    if not opts.config:
+        return None
+    from torchtitan_moe.train import prepare
 
-        job_config = prepare(["--job.config_file", opts.config])
-        args = flavor_args(job_config.model.flavor)
-        args.update_from_config(job_config)
-    elif opts.flavor:
+    return prepare(["--job.config_file", opts.config])
+
+
+def resolve_args(checkpoint: str, opts, job_config=None) -> Qwen3MoEArgs:
+    """The model settings of a DCP checkpoint: --flavor, else its model_args.json (what the run trained),
+    else --config (`job_config`; with model_args.json, --config only names the held-out data)."""
+    saved = read_model_args(checkpoint)
+    if opts.flavor:
         if opts.flavor not in FLAVORS:
             raise ConvertError(f"--flavor {opts.flavor}: expected one of {', '.join(FLAVORS)}")
         args = flavor_args(opts.flavor)
+    elif saved is not None:
+        args = saved
+    elif job_config is not None:
+        args = flavor_args(job_config.model.flavor)
+        args.update_from_config(job_config)
     else:
-        args = read_model_args(checkpoint)
-        if args is None:
-            raise ConvertError(f"{checkpoint} has no model_args.json: pass --config RUN.toml (the run's config) "
-                               "or --flavor NAME with the run's --num-experts/--top-k/--inter-dim")
+        raise ConvertError(f"{checkpoint} has no model_args.json: pass --config RUN.toml (the run's config) "
+                           "or --flavor NAME with the run's --num-experts/--top-k/--inter-dim")
     overrides = {k: v for k, v in (("num_experts", opts.num_experts), ("top_k", opts.top_k),
                                    ("inter_dim", opts.inter_dim)) if v is not None}
     if overrides:
@@ -289,13 +333,20 @@ def parse(argv: list[str] | None):
     out.add_argument("checkpoint", help="a step folder, e.g. outputs/run/checkpoint/step-1000")
     out.add_argument("out", help="the Hugging Face folder to write")
     out.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    out.add_argument("--config", help="the run's TOML (when the step folder has no model_args.json)")
+    out.add_argument("--config", help="the run's TOML: its model settings when the step folder has no model_args.json, "
+                                      "its synthetic stream for --drop-expert-bias")
     out.add_argument("--flavor", help="the run's flavor (when the step folder has no model_args.json)")
     out.add_argument("--num-experts", type=int)
     out.add_argument("--top-k", type=int)
     out.add_argument("--inter-dim", type=int)
     out.add_argument("--drop-expert-bias", action="store_true",
-                     help="export although the routers' expert bias is not zero (routing will differ)")
+                     help="export although the routers' expert bias is not zero (routing will differ); first "
+                          "prints the held-out loss with and without it and the share of tokens whose experts change")
+    out.add_argument("--eval-tokens", help="held-out token ids for --drop-expert-bias: an int tensor [sequences, "
+                                           "length + 1] saved with torch.save (default: the --config run's stream)")
+    out.add_argument("--eval-batches", type=int,
+                     help="batches of held-out tokens --drop-expert-bias measures on (the run's batch shape, or "
+                          "8 sequences of --eval-tokens each; default 8)")
     out.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors file (GiB)")
     into = sub.add_parser("from-hf", help="Hugging Face folder -> model-only DCP checkpoint")
     into.add_argument("hf_folder")
@@ -314,14 +365,29 @@ def check_output_folder(out: str, force: bool) -> None:
         raise ConvertError(f"{out} is a file: the output must be a folder")
 
 
+def check_eval_options(opts) -> None:
+    if (opts.eval_tokens or opts.eval_batches is not None) and not opts.drop_expert_bias:
+        raise ConvertError("--eval-tokens and --eval-batches pick the held-out tokens --drop-expert-bias measures "
+                           "on: pass them with --drop-expert-bias")
+    if opts.eval_batches is not None and opts.eval_batches < 1:
+        raise ConvertError(f"--eval-batches {opts.eval_batches}: must be >= 1")
+    opts.eval_batches = opts.eval_batches or EVAL_BATCHES
+
+
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     try:
         check_output_folder(opts.out, opts.force)
         if opts.direction == "to-hf":
-            args = resolve_args(opts.checkpoint, opts)
-            to_hf(opts.checkpoint, opts.out, args, DTYPES[opts.dtype], opts.drop_expert_bias,
-                  int(opts.shard_gb * 2**30))
+            check_eval_options(opts)
+            job_config = run_config(opts)
+            args = resolve_args(opts.checkpoint, opts, job_config)
+            cost = to_hf(opts.checkpoint, opts.out, args, DTYPES[opts.dtype], opts.drop_expert_bias,
+                         int(opts.shard_gb * 2**30), held_out=lambda: held_out_batches(opts, job_config, args.vocab_size))
+            if cost is not None:
+                print(cost.describe())
+            elif opts.drop_expert_bias:
+                print("the expert bias is zero in every layer: the export routes as the trained model does")
             print(f"wrote {opts.out}: transformers.AutoModelForCausalLM.from_pretrained({opts.out!r})")
         else:
             args = from_hf(opts.hf_folder, opts.out, DTYPES[opts.dtype] if opts.dtype else None)

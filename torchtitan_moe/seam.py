@@ -99,8 +99,8 @@ def recomputing() -> bool:
     Statistics are counted, and exchanges made, once per real forward. Asked in code that
     torch.compile traces it would be a graph break, so there it is not asked and is False: the
     callers that must know (the layer's statistics, the dispatchers' exchange replay) run
-    eagerly. A compiled region re-run by an eager recompute does run again in full;
-    config.check_semantics refuses the one path where that would count twice.
+    eagerly. A compiled region re-run by an eager recompute does run again in full, so nothing
+    that counts is compiled (the global-batch balance loss's counts: Router.forward, not route).
     """
     if torch.compiler.is_compiling():
         return False

@@ -5,10 +5,16 @@
         group-limited (n_groups > 1): only inside each token's topk_groups best groups
     probs = scores[experts], optionally renormalized, times route_scale ──► probs [T, K] fp32
     training: balance loss and z-loss (moe/router_losses.py) ──► aux_loss, their weighted sum
+
+`route` is all of it but the global-batch balance loss, and is what torch.compile compiles
+(parallelize.apply_compile). That loss adds each micro-batch's counts to a running buffer, once per
+real forward: only eager code can tell a checkpointed recompute (seam.recomputing), so `forward`
+adds it around the compiled region.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -96,6 +102,16 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
         """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss."""
+        routing = self.route(x, seq_len)
+        if self.balance_loss == "global_batch" and self.training and torch.is_grad_enabled():
+            balance = self.global_balance_loss(routing.scores, routing.tokens_per_expert)
+            weighted = self.balance_loss_coeff * balance
+            aux_loss = weighted if routing.aux_loss is None else weighted + routing.aux_loss
+            routing = dataclasses.replace(routing, aux_loss=aux_loss, balance_loss=balance)
+        return routing
+
+    def route(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
+        """`forward` without the global-batch balance loss (the region torch.compile compiles)."""
         with torch.autocast(x.device.type, enabled=False):  # router math stays fp32
             dtype = self.gate_dtype
             logits = F.linear(x.to(dtype), self.gate.weight.to(dtype)).float()
@@ -121,7 +137,7 @@ class Router(nn.Module):
         tokens_per_expert = count_tokens(experts, self.num_experts)
         balance = zloss = aux_loss = None
         if self.training and torch.is_grad_enabled():  # not in eval, probes or no_grad passes
-            if self.balance_loss_coeff > 0:
+            if self.balance_loss in ("sequence", "micro_batch"):
                 balance = self.compute_balance_loss(scores, experts, tokens_per_expert, seq_len or x.shape[0])
                 aux_loss = self.balance_loss_coeff * balance
             if self.z_loss_coeff > 0:
@@ -131,11 +147,14 @@ class Router(nn.Module):
 
     def compute_balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, tokens_per_expert: torch.Tensor,
                              seq_len: int) -> torch.Tensor:
-        """The balance loss (before its coefficient) of this micro-batch under `balance_loss`."""
+        """The sequence or micro-batch balance loss (before its coefficient) of this micro-batch."""
         if self.balance_loss == "sequence":
             return sequence_balance_loss(scores, experts, seq_len)
-        if self.balance_loss == "micro_batch":
-            return balance_loss(scores, tokens_per_expert)
+        return balance_loss(scores, tokens_per_expert)
+
+    def global_balance_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """The global-batch balance loss (before its coefficient): f from the step's counts so far on every
+        data-parallel rank, this micro-batch's included; P from `scores` [T, E]."""
         if self.balance_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(
                 "balance_loss = 'global_batch' under torch.distributed needs the data-parallel group: "

@@ -89,8 +89,9 @@ def add_global_counts(buffer: torch.Tensor, tokens_per_expert: torch.Tensor,
     running `buffer` [E] int64 (the router's; the balancing hook zeroes it every step).
 
     -> a copy of the buffer: the counts f uses for this micro-batch. The sum over ranks is one
-    functional all-reduce of E integers (dynamo traces it). A checkpointed recompute adds
-    nothing and reads what its forward saw: the next micro-batch has not run yet.
+    functional all-reduce of E integers. A checkpointed recompute adds nothing and reads what its
+    forward saw: the next micro-batch has not run yet. Called eagerly (Router.forward, outside the
+    compiled region): compiled code cannot tell a recompute and would count again.
     """
     if not recomputing():
         counts = tokens_per_expert

@@ -60,14 +60,20 @@ def apply_compile(model: nn.Module, backend: str) -> None:
     under activation checkpointing one break sends the whole block back to eager). So the
     router's forward is compiled inside its own FSDP hooks, not the block around them. The
     experts and dispatchers are not: their work is our custom ops (one opaque node each)
-    and the exchange with its host sync, and their statistics and replays are Python state.
+    and the exchange with its host sync, and their statistics and replays are Python state. Nor is
+    the global-batch balance loss's running count (Router.forward around Router.route): a recompute
+    must not count again, which compiled code cannot tell.
     """
     for block in model.layers.values():
         inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
         inner.attend = torch.compile(inner.attend, backend=backend, fullgraph=True)
-        router = inner.moe.router
-        router.forward = torch.compile(router.forward, backend=backend, fullgraph=True)
+        compile_router(inner.moe.router, backend)
     logger.info("Compiled each block's attention and router with torch.compile")
+
+
+def compile_router(router: nn.Module, backend: str) -> None:
+    """Compile the router's `route`: its forward stays eager to add the global-batch counts once per real forward."""
+    router.route = torch.compile(router.route, backend=backend, fullgraph=True)
 
 
 def keep_exchanges_for_recompute(model: nn.Module) -> None:

@@ -101,6 +101,8 @@ OTHERS = [
     (["--checkpoint.last_save_in_hf"], "[checkpoint] last_save_in_hf = true saves the last step as weights only"),
     (["--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "--router.bias_update_rate", "1e-3"],
      "[checkpoint] last_save_in_hf = true with [router] bias_update_rate"),
+    (["--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", "--router.n_groups", "2"],
+     "[checkpoint] last_save_in_hf = true with [router] n_groups = 2, topk_groups = 1"),
     (["--router.balance_loss_coeff", "0"], "[router] balance_loss = 'global_batch' needs balance_loss_coeff > 0"),
     (["--router.balance_loss", "none"], "[router] balance_loss_coeff = 0.1 has no loss to weigh"),
     (["--router.n_groups", "4", "--router.topk_groups", "1", "--moe.top_k", "3"], "[moe] top_k = 3: more than topk_groups"),

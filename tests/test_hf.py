@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torchtitan_moe import convert
 from torchtitan_moe.checkpoint import write_model_args
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, Qwen3MoEStateDictAdapter, flavor_args
-from torchtitan_moe.models.qwen3_moe.state_dict_adapter import HFConversionError
+from torchtitan_moe.models.qwen3_moe.state_dict_adapter import HFConversionError, hf_config
 
 transformers = pytest.importorskip("transformers", reason="the Hugging Face parity tests need `pip install -e .[test]`")
 
@@ -144,6 +144,21 @@ def test_to_hf_refuses_what_hf_cannot_express(tmp_path, capsys):
     # --drop-expert-bias first measures what that costs, on held-out tokens (tests/test_bias_cost.py)
     assert convert.main(["to-hf", str(tmp_path / "ckpt"), out, "--flavor", "debug", "--drop-expert-bias"]) == 2
     assert "measures what dropping the bias costs on held-out tokens first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(score_func="sigmoid"), "score_func = 'sigmoid'"),
+    (dict(route_scale=2.0), "route_scale = 2.0"),
+    (dict(n_groups=2, topk_groups=1), "n_groups = 2, topk_groups = 1"),
+])
+def test_routing_hf_cannot_express_is_refused(change, message):
+    args = flavor_args("debug")
+    args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **change))
+    with pytest.raises(HFConversionError, match=message):
+        hf_config(args)
+    # every group in use is plain top-k: exportable
+    args = flavor_args("debug")
+    hf_config(dataclasses.replace(args, moe=dataclasses.replace(args.moe, n_groups=2, topk_groups=2)))
 
 
 def test_convert_refuses_a_non_empty_output_folder_unless_forced(tmp_path, capsys):

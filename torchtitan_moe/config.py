@@ -423,6 +423,12 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
             "[checkpoint] last_save_in_hf = true: Hugging Face Qwen3-MoE routes with score_func = 'softmax' and "
             "route_scale = 1.0 only",
         )
+        _need(
+            router.topk_groups >= router.n_groups,
+            f"[checkpoint] last_save_in_hf = true with [router] n_groups = {router.n_groups}, topk_groups = "
+            f"{router.topk_groups}: Hugging Face Qwen3-MoE picks its top-k over all experts (no group-limited "
+            "routing); set n_groups = 1",
+        )
 
 
 def check_data_parallel(replicate: int, shard: int, ep: int, world_size: int) -> None:

@@ -241,6 +241,9 @@ def check_exportable(args: Qwen3MoEArgs) -> None:
         raise HFConversionError(f"[router] score_func = {moe.score_func!r}: Hugging Face Qwen3-MoE routes with softmax")
     if moe.route_scale != 1.0:
         raise HFConversionError(f"[router] route_scale = {moe.route_scale}: Hugging Face Qwen3-MoE has no route scale (1.0)")
+    if moe.topk_groups < moe.n_groups:
+        raise HFConversionError(f"[router] n_groups = {moe.n_groups}, topk_groups = {moe.topk_groups}: Hugging Face "
+                                "Qwen3-MoE picks its top-k over all experts (no group-limited routing)")
     if not args.qk_norm:
         raise HFConversionError("qk_norm = False: Hugging Face Qwen3-MoE always normalizes q and k")
 

@@ -93,7 +93,7 @@ def test_deterministic_repeats_the_first_setting_and_fails_when_it_differs(tmp_p
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo parity run; GPU parity is in the worklogs")
 def test_ep_1_2_4_losses_and_grad_norms_agree(parity_out, capsys):
     code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "parallelism.expert_parallel_degree=1,2,4",
-                 "--steps", "20", "--nproc", "4", "--out", str(parity_out)])
+                 "--steps", "20", "--nproc", "4", "--out", str(parity_out), "--one-launch"])
     report = (parity_out / "parity.md").read_text()
     assert code == 0, report
     assert "| 20 |" in report and report.count("| ok |") == 2
@@ -105,7 +105,7 @@ def test_ep_1_2_4_losses_and_grad_norms_agree(parity_out, capsys):
 def test_activation_checkpointing_under_ep_changes_nothing(parity_out):
     # The recompute replays the kept all-to-all results: same losses to the bit, same counts.
     code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "activation_checkpoint.mode=none,full",
-                 "--steps", "6", "--nproc", "2", "--out", str(parity_out), "--no-plot",
+                 "--steps", "6", "--nproc", "2", "--out", str(parity_out), "--no-plot", "--one-launch",
                  "--", "--parallelism.expert_parallel_degree", "2"])
     report = (parity_out / "parity.md").read_text()
     assert code == 0, report
@@ -116,13 +116,14 @@ def test_activation_checkpointing_under_ep_changes_nothing(parity_out):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo parity run; GPU parity is in the worklogs")
 def test_compiled_training_matches_eager(parity_out):
-    # torch.compile (attention and router regions, our custom ops inside) trains like eager at
-    # EP = 1 and 2, and with activation checkpointing (its recompute runs the compiled regions
-    # again and replays the kept exchanges): fp32, 10 steps, loss and grad norm within 1e-4.
+    # torch.compile (attention and router regions, our custom ops inside) trains like eager under
+    # EP = 2, and with activation checkpointing (its recompute runs the compiled regions again and
+    # replays the kept exchanges): fp32, 10 steps, loss and grad norm within 1e-4. EP = 1 compiles
+    # the same regions (the dispatcher is outside them): EP = 2 alone covers them and the exchanges.
     code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "compile.enable=false,true",
-                 "--vary", "parallelism.expert_parallel_degree=1,2", "--steps", "10", "--nproc", "2",
-                 "--loss-rtol", "1e-4", "--grad-rtol", "1e-4", "--out", str(parity_out), "--no-plot",
-                 "--", "--activation_checkpoint.mode", "full"])
+                 "--steps", "10", "--nproc", "2", "--loss-rtol", "1e-4", "--grad-rtol", "1e-4",
+                 "--out", str(parity_out), "--no-plot", "--one-launch",
+                 "--", "--activation_checkpoint.mode", "full", "--parallelism.expert_parallel_degree", "2"])
     report = (parity_out / "parity.md").read_text()
     assert code == 0, report
-    assert "| 10 |" in report and report.count("| ok |") == 3, report
+    assert "| 10 |" in report and report.count("| ok |") == 1, report

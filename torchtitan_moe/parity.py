@@ -11,10 +11,10 @@
 2. Each setting (the product of the --vary lists) trains `--steps` steps on `--nproc`
    processes, loading that seed (`checkpoint.initial_load_path`, `load_only`): the same
    weights and, with the same process count, the same data on every rank. `--one-launch` trains
-   them all in one torchrun launch (torchtitan_moe.train_runs): start-up paid once, not per setting. With `--seed init`
-   there is no checkpoint: every setting initializes from `[debug] seed` (our init is a single
-   process's on the same device type, whatever the mesh) and writes a fingerprint of its
-   starting weights, which must equal the first setting's.
+   them all in one torchrun launch (torchtitan_moe.train_runs): start-up paid once, not per
+   setting. With `--seed init` there is no checkpoint: every setting initializes from
+   `[debug] seed` (our init is a single process's on the same device type, whatever the mesh)
+   and writes a fingerprint of its starting weights, which must equal the first setting's.
 3. A per-step table of loss, grad norm, aux loss and expert load, the max relative
    differences to the first setting, a PNG plot and `parity.md` go to --out; the exit status
    is 1 when a difference is outside the tolerance.
@@ -176,7 +176,8 @@ def launch_together(config: str, runs: list[tuple[Path, list[str], Path]], nproc
     """Train every (dump, overrides, log) in ONE torchrun launch (torchtitan_moe.train_runs): the
     start-up is paid once. A failed run stops the launch and the harness, with that run's log tail."""
     plan = log.with_suffix(".json")
-    plan.write_text(json.dumps([{"argv": train_argv(config, dump, o), "log": str(run_log)} for dump, o, run_log in runs]))
+    plan.write_text(json.dumps([{"argv": train_argv(config, dump, overrides), "log": str(run_log)}
+                                for dump, overrides, run_log in runs]))
     for _, _, run_log in runs:
         run_log.unlink(missing_ok=True)  # the runs append
     code = run_logged([*torchrun(nproc), "-m", "torchtitan_moe.train_runs", str(plan)], log)

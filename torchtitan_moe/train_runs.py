@@ -51,7 +51,8 @@ def shared_group(argv: list[str]):
 
 def train(argv: list[str], adapt=None) -> None:
     """One run from scratch; `adapt(trainer)`, if given, changes the trainer before it trains."""
-    deterministic = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     trainer = MoETrainer(prepare(argv))
     try:
         if adapt is not None:
@@ -62,7 +63,7 @@ def train(argv: list[str], adapt=None) -> None:
         del trainer
         gc.collect()
         torch._dynamo.reset()  # no compiled graph (nor its guards) carried into the next run
-        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)  # as before the run
 
 
 @contextlib.contextmanager

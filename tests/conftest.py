@@ -24,6 +24,9 @@ if not torch.cuda.is_available():
 # registered backward after the op changes (a halved exchange gradient passed a compiled test).
 os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
 torch.compiler.config.force_disable_caches = True
+# Inductor compiles in the process that traces: on 2 cores its pool of compile workers (started per
+# process, each importing torch) cost more than it saved (the compiled parity test 37-43 s, not 41-51 s).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_collection_modifyitems(items):

@@ -13,42 +13,30 @@ PLAN.json is a list of operations that every rank runs in order:
     {"host_syncs": [override, ...], "out": path}  a 3-step run; rank 0 writes the host syncs of each training
                                                step that logs nothing (steps 2 and 3) as a JSON list
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
-Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared.
+Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared
+(torchtitan_moe/train_runs.py, which `python -m torchtitan_moe.parity --one-launch` uses too).
 Tests launch a plan with `spawn_ranks.torchrun_plan`.
 """
 
-import contextlib
 import dataclasses
-import gc
 import json
-import os
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from torchtitan_moe import convert
+from torchtitan_moe import convert, train_runs
 from torchtitan_moe.checkpoint import CheckpointError
-from torchtitan_moe.torchtitan_compat import init_logger
-from torchtitan_moe.train import MoETrainer, prepare
+from torchtitan_moe.train_runs import shared_group
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
 
 
 def train(overrides: list[str], adapt=None) -> None:
-    """A run from scratch; `adapt(trainer)`, if given, changes the trainer before it trains."""
-    trainer = MoETrainer(prepare(["--job.config_file", DEBUG, "--metrics.disable_color_printing", *overrides]))
-    if adapt is not None:
-        adapt(trainer)
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
-        del trainer
-        gc.collect()
+    """A run of the debug config from scratch (train_runs.train); `adapt(trainer)` changes it first."""
+    train_runs.train(["--job.config_file", DEBUG, "--metrics.disable_color_printing", *overrides], adapt)
 
 
 class RanksSideBySide:
@@ -146,40 +134,18 @@ def split_rows(out: str) -> None:
         Path(out).write_text(json.dumps({"to_hf_exact": to_hf_exact, "round_trip_exact": round_trip_exact}))
 
 
-@contextlib.contextmanager
-def output_to(prefix: str | None):
-    """This process's stdout and stderr (file descriptors 1 and 2) appended to PREFIX.out / .err."""
-    if prefix is None:
-        yield
-        return
-    sys.stdout.flush(), sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    for fd, ext in ((1, "out"), (2, "err")):
-        f = os.open(f"{prefix}.{ext}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
-    try:
-        yield
-    finally:
-        sys.stdout.flush(), sys.stderr.flush()
-        for fd, copy in saved.items():
-            os.dup2(copy, fd)
-            os.close(copy)
-
-
 def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
-    init_logger()
-    prepare(["--job.config_file", DEBUG])  # the CPU shim and the TrainSpec, once
-    if torch.cuda.is_available():  # scripts/hsdp_gpu.py: one GPU per process, NCCL
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")  # torchtitan's Trainer reuses it
-    # torchtitan's train() ends with a 2 s sleep on rank 0 "for other ranks"; the barriers here do that.
-    sleep = time.sleep
-    time.sleep = lambda seconds: None if seconds == 2 else sleep(seconds)
+    with shared_group(["--job.config_file", DEBUG]):
+        run_plan(plan)
+    return 0
+
+
+def run_plan(plan: list[dict]) -> None:
     for i, op in enumerate(plan):
         print(f"resume_harness: op {i}: {op}", flush=True)
-        with output_to(op.get("log")):
+        prefix = op.get("log")
+        with train_runs.output_to(prefix and f"{prefix}.out", prefix and f"{prefix}.err"):
             if "train" in op:
                 train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)
             elif "host_syncs" in op:
@@ -194,8 +160,6 @@ def main(plan_path: str) -> int:
             elif "split_rows" in op:
                 split_rows(op["split_rows"])
         dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

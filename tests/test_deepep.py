@@ -246,7 +246,7 @@ def test_training_with_deepep_matches_all_to_all_under_checkpointing(parity_out,
 
     with_fake_on_path(monkeypatch)
     code = parity([str(ROOT / "configs" / "debug.toml"), "--vary", "dispatch.backend=all_to_all,deepep",
-                   "--steps", "4", "--nproc", "2", "--out", str(parity_out), "--no-plot", "--",
+                   "--steps", "4", "--nproc", "2", "--out", str(parity_out), "--no-plot", "--one-launch", "--",
                    "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16",
                    "--activation_checkpoint.mode", "full"])
     report = (parity_out / "parity.md").read_text()

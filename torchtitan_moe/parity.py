@@ -2,7 +2,7 @@
 
     python -m torchtitan_moe.parity CONFIG --vary parallelism.expert_parallel_degree=1,2,4 \\
         [--vary other.key=a,b] [--steps 20] [--nproc N] [--loss-rtol 1e-5] [--grad-rtol 1e-5] \\
-        [--seed checkpoint|init] [--deterministic] [--out DIR] [-- --section.key value ...]
+        [--seed checkpoint|init] [--deterministic] [--one-launch] [--out DIR] [-- --section.key value ...]
     python -m torchtitan_moe.parity CONFIG --against torchtitan [--steps 200] [-- overrides]
 
 1. One process writes a seed checkpoint (step 0) of the model, kept under --out in a folder
@@ -10,10 +10,11 @@
    seed made for another model is never reused.
 2. Each setting (the product of the --vary lists) trains `--steps` steps on `--nproc`
    processes, loading that seed (`checkpoint.initial_load_path`, `load_only`): the same
-   weights and, with the same process count, the same data on every rank. With `--seed init`
-   there is no checkpoint: every setting initializes from `[debug] seed` (our init is a single
-   process's on the same device type, whatever the mesh) and writes a fingerprint of its
-   starting weights, which must equal the first setting's.
+   weights and, with the same process count, the same data on every rank. `--one-launch` trains
+   them all in one torchrun launch (torchtitan_moe.train_runs): start-up paid once, not per
+   setting. With `--seed init` there is no checkpoint: every setting initializes from
+   `[debug] seed` (our init is a single process's on the same device type, whatever the mesh)
+   and writes a fingerprint of its starting weights, which must equal the first setting's.
 3. A per-step table of loss, grad norm, aux loss and expert load, the max relative
    differences to the first setting, a PNG plot and `parity.md` go to --out; the exit status
    is 1 when a difference is outside the tolerance.
@@ -136,19 +137,28 @@ def override(key: str, value: str) -> list[str]:
     return [f"--{key}", value]
 
 
-def run_training(config: str, dump: Path, overrides: list[str], nproc: int, log: Path) -> int:
-    """Train one setting (torchrun for nproc > 1), output in `log`; returns the exit status."""
-    cmd = [sys.executable, "-m", "torchtitan_moe.train"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        "--local-ranks-filter", "0", "--role", "rank", "--tee", "3", "-m", "torchtitan_moe.train",
-    ]
-    cmd += ["--job.config_file", config, "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides]
+def train_argv(config: str, dump: Path, overrides: list[str]) -> list[str]:
+    return ["--job.config_file", config, "--job.dump_folder", str(dump), "--metrics.disable_color_printing", *overrides]
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "--local-ranks-filter", "0", "--role", "rank", "--tee", "3"]
+
+
+def run_logged(cmd: list[str], log: Path) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("TRITON_INTERPRET", None)
     with open(log, "w") as f:
         f.write(" ".join(cmd) + "\n")
         f.flush()
         return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+
+
+def run_training(config: str, dump: Path, overrides: list[str], nproc: int, log: Path) -> int:
+    """Train one setting (torchrun for nproc > 1), output in `log`; returns the exit status."""
+    cmd = [sys.executable] if nproc == 1 else torchrun(nproc)
+    return run_logged([*cmd, "-m", "torchtitan_moe.train", *train_argv(config, dump, overrides)], log)
 
 
 def log_tail(log: Path, lines: int = 25) -> str:
@@ -160,6 +170,21 @@ def launch(config: str, dump: Path, overrides: list[str], nproc: int, log: Path)
     code = run_training(config, dump, overrides, nproc, log)
     if code != 0:
         raise SystemExit(f"parity: run failed (exit {code}), log {log}:\n" + log_tail(log))
+
+
+def launch_together(config: str, runs: list[tuple[Path, list[str], Path]], nproc: int, log: Path) -> None:
+    """Train every (dump, overrides, log) in ONE torchrun launch (torchtitan_moe.train_runs): the
+    start-up is paid once. A failed run stops the launch and the harness, with that run's log tail."""
+    plan = log.with_suffix(".json")
+    plan.write_text(json.dumps([{"argv": train_argv(config, dump, overrides), "log": str(run_log)}
+                                for dump, overrides, run_log in runs]))
+    for _, _, run_log in runs:
+        run_log.unlink(missing_ok=True)  # the runs append
+    code = run_logged([*torchrun(nproc), "-m", "torchtitan_moe.train_runs", str(plan)], log)
+    if code != 0:
+        failed = [run_log for _, _, run_log in runs if run_log.exists()][-1:] or [log]
+        raise SystemExit(f"parity: one launch failed (exit {code}), log {failed[0]} (launch: {log}):\n"
+                         + log_tail(failed[0]))
 
 
 # MoE args that choose how the layer computes, not what its weights are.
@@ -357,6 +382,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--deterministic", action="store_true",
                         help="torch deterministic algorithms in every run; the first setting is trained twice "
                              "and must repeat bitwise")
+    parser.add_argument("--one-launch", action="store_true",
+                        help="train every setting in one torchrun launch (torchtitan_moe.train_runs): process "
+                             "start-up and imports paid once; the first failed setting stops the rest")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--out", default=None, help="default: outputs/parity/<config name>")
     args = parser.parse_args(argv)
@@ -438,20 +466,31 @@ def main(argv: list[str] | None = None) -> int:
             common += ["--debug.seed", "0"]
     common += args.extra
 
-    def train(s: Setting, dump: Path) -> list[dict]:
+    # Every run: (setting, dump folder); --deterministic trains the first setting again.
+    jobs = [(s, out / s.folder) for s in settings] + ([(settings[0], out / "repeat")] if args.deterministic else [])
+
+    def overrides_of(s: Setting) -> list[str]:
         start = []
-        if args.seed == "checkpoint":
+        if args.seed == "checkpoint":  # written before any setting trains
             seed_ckpt = seed_checkpoint(args.config, out, [*common, *s.overrides])
             start = ["--checkpoint.enable", "--checkpoint.initial_load_path", str(seed_ckpt), "--checkpoint.load_only"]
+        return [*common, *s.overrides, "--training.steps", str(args.steps), *start]
+
+    planned = [(dump, overrides_of(s), out / f"{dump.name}.log") for s, dump in jobs]
+    for s, dump in jobs:
         for stale in ("metrics.jsonl", "init_fingerprint.json"):
             (dump / stale).unlink(missing_ok=True)
-        print(f"parity: {s.name} on {nproc} processes, {args.steps} steps", flush=True)
-        launch(args.config, dump, [*common, *s.overrides, "--training.steps", str(args.steps), *start],
-               nproc, out / f"{dump.name}.log")
-        return read_metrics(dump)
-
-    dumps = [out / s.folder for s in settings]
-    runs = [train(s, dump) for s, dump in zip(settings, dumps)]
+    if args.one_launch:
+        print(f"parity: {', '.join(s.name for s, _ in jobs)} in one launch of {nproc} processes, "
+              f"{args.steps} steps each", flush=True)
+        launch_together(args.config, planned, nproc, out / "one_launch.log")
+    else:
+        for (s, _), (dump, overrides, log) in zip(jobs, planned):
+            print(f"parity: {s.name} on {nproc} processes, {args.steps} steps", flush=True)
+            launch(args.config, dump, overrides, nproc, log)
+    results = [read_metrics(dump) for _, dump in jobs]
+    dumps = [dump for _, dump in jobs[: len(settings)]]
+    runs = results[: len(settings)]
     names = [s.name for s in settings]
     comparisons = [compare(n, runs[0], run) for n, run in zip(names[1:], runs[1:])]
     checked = [c for c, s in zip(comparisons, settings[1:]) if s.checked]
@@ -470,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         report += "difference switched back to the config's value):\n\n" + attribution(names, runs)
     repeat_ok = True
     if args.deterministic:
-        repeat = train(settings[0], out / "repeat")
+        repeat = results[-1]
         repeat_ok = repeat_is_bitwise(runs[0], repeat)
         report += "\n\n" + (f"determinism: {names[0]} trained twice, losses and grad norms bitwise equal" if repeat_ok
                              else f"determinism: NOT DETERMINISTIC: {names[0]} trained twice differs: "

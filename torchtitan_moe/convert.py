@@ -295,12 +295,13 @@ def start_hint(args: Qwen3MoEArgs, out: str) -> str:
 
 
 def run_config(opts):
-    """The --config run's job config (None without --config)."""
+    """The --config run's job config (None without --config), checked as `check_config` does without a
+    process count; read only, so unlike training's set-up it leaves this process's environment alone."""
     if not opts.config:
         return None
-    from torchtitan_moe.train import prepare
+    from torchtitan_moe.config_loader import load_job_config
 
-    return prepare(["--job.config_file", opts.config])
+    return load_job_config(["--job.config_file", opts.config])
 
 
 def resolve_args(checkpoint: str, opts, job_config=None) -> Qwen3MoEArgs:

@@ -3,6 +3,7 @@ whole model run with and without its bias; a zero bias costs nothing; the refusa
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -107,8 +108,10 @@ def test_the_synthetic_stream_of_the_run_is_held_out(tmp_path, capsys):
     args = flavor_args("debug")
     args.moe = dataclasses.replace(args.moe, route_norm=not args.moe.route_norm)  # unlike debug.toml's
     step = save(model_with_bias(args=args), tmp_path / "step")
+    environ = dict(os.environ)
     assert convert.main(["to-hf", step, str(tmp_path / "hf"), "--drop-expert-bias", "--config", "configs/debug.toml",
                          "--eval-batches", "1"]) == 0
+    assert dict(os.environ) == environ  # reading --config is not training's set-up (no RANK / WORLD_SIZE left)
     assert "1,024 tokens" in capsys.readouterr().out.splitlines()[0]  # one batch of the run's 8 x 128
     # The model is what the step folder recorded (model_args.json); --config only names the held-out data.
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] == args.moe.route_norm

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from torchtitan_moe.config import ConfigError
-from torchtitan_moe.config_loader import load_job_config
+from torchtitan_moe.config_loader import load_job_config, run_command
 
 USAGE = "usage: python -m torchtitan_moe.check_config FILE [--nproc N [--nproc-per-node G]] [--section.key value ...]"
 
@@ -93,16 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan_moe.torchtitan_compat import init_logger
 
     init_logger()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
-        return 0
-    try:
-        print(check(argv))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return run_command(check, __doc__, argv)
 
 
 if __name__ == "__main__":

@@ -74,3 +74,18 @@ def load_job_config(argv: list[str] | None = None, world_size: int | None = None
     if config.data.tokenizer != "bytes":
         check_tokenizer_file(config.data.tokenizer)
     return config
+
+
+def run_command(produce, doc: str, argv: list[str] | None = None) -> int:
+    """A config command's main: print `produce(argv)`, or its config error as one line (exit status 2);
+    -h / --help prints `doc`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(doc)
+        return 0
+    try:
+        print(produce(argv))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0

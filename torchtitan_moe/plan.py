@@ -452,16 +452,9 @@ def report(argv: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] in (["-h"], ["--help"]):
-        print(__doc__)
-        return 0
-    try:
-        print(report(argv))
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    from torchtitan_moe.config_loader import run_command
+
+    return run_command(report, __doc__, argv)
 
 
 if __name__ == "__main__":

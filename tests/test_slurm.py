@@ -13,13 +13,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(os.environ.get("SLURM_CHECK") != "1",
-                       reason="SLURM_CHECK=1 runs the real SLURM run (installs slurm and munge with apt; ~1-2 min)"),
-]
+needs_slurm_check = pytest.mark.skipif(
+    os.environ.get("SLURM_CHECK") != "1",
+    reason="SLURM_CHECK=1 runs the real SLURM run (installs slurm and munge with apt; ~1-2 min)")
 
 
+@pytest.mark.parametrize("nproc", ["x", "0", "2.5"])
+def test_a_bad_process_count_per_node_is_one_line_before_slurm_is_asked(nproc):
+    env = dict(os.environ, NPROC_PER_NODE=nproc, SLURM_NNODES="2", SLURM_JOB_NODELIST="n[1-2]")
+    run = subprocess.run(["bash", "scripts/slurm_train.sbatch", "configs/debug.toml"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == "", run.stdout + run.stderr
+    assert run.stderr.splitlines() == [f"config error: processes per node = '{nproc}' (NPROC_PER_NODE, else "
+                                       "SLURM_GPUS_ON_NODE): must be a whole number >= 1"]
+
+
+@pytest.mark.slow
+@needs_slurm_check
 def test_sbatch_trains_the_debug_config_on_two_nodes():
     # PYTHONPATH and the interpreter reach the job's nodes through sbatch's exported environment.
     env = dict(os.environ, PYTHON=sys.executable, STEPS="3")

@@ -10,6 +10,9 @@ PLAN.json is a list of operations that every rank runs in order:
     {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
     {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
     {"split_rows": out}                        the Hugging Face adapter on experts whose rows two ranks split
+    {"train": [...], "experts": path}          also: rank 0 writes where layer 0's experts live after each step
+                                               (+ "experts_in_fsdp": true: under FSDP2 even where their group
+                                               has one rank, as before they stayed outside it)
     {"host_syncs": [override, ...], "out": path}  a 3-step run; rank 0 writes the host syncs of each training
                                                step that logs nothing (steps 2 and 3) as a JSON list
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
@@ -101,6 +104,36 @@ def refused(overrides: list[str], out: str) -> None:
     raise AssertionError(f"the run {overrides} was not refused")
 
 
+def train_recording_experts(overrides: list[str], out: str, in_fsdp: bool) -> None:
+    """A run that records, after each step, whether layer 0's experts are an FSDP2 module and the
+    mesh and dtypes of their weight and gradient; `in_fsdp` puts them under FSDP2 in every layout."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from torchtitan_moe.models.qwen3_moe import parallelize
+
+    seen = []
+
+    def record(trainer) -> None:
+        step = trainer.train_step
+
+        def recorded(data_iterator):
+            step(data_iterator)
+            experts = trainer.model_parts[0].layers["0"].moe.experts
+            seen.append({"fsdp": isinstance(experts, FSDPModule), "mesh": list(experts.w13.device_mesh.mesh_dim_names),
+                         "weight": str(experts.w13.dtype), "grad": str(experts.w13.grad.dtype)})
+
+        trainer.train_step = recorded
+
+    outside = parallelize.experts_outside_fsdp
+    parallelize.experts_outside_fsdp = (lambda mesh: False) if in_fsdp else outside
+    try:
+        train(overrides, record)
+    finally:
+        parallelize.experts_outside_fsdp = outside
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps(seen))
+
+
 def split_rows(out: str) -> None:
     """Experts fewer than expert-FSDP ranks: FSDP2 splits w13's rows (gate | up) over ranks.
     Here 2 ranks split the rows of 2 experts, as (Shard(1) on efsdp, Shard(0) on ep) of a 2 x 1 mesh."""
@@ -146,7 +179,9 @@ def run_plan(plan: list[dict]) -> None:
         print(f"resume_harness: op {i}: {op}", flush=True)
         prefix = op.get("log")
         with train_runs.output_to(prefix and f"{prefix}.out", prefix and f"{prefix}.err"):
-            if "train" in op:
+            if "train" in op and "experts" in op:
+                train_recording_experts(op["train"], op["experts"], op.get("experts_in_fsdp", False))
+            elif "train" in op:
                 train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)
             elif "host_syncs" in op:
                 host_syncs(op["host_syncs"], op["out"])

@@ -1,5 +1,5 @@
 """End to end on the CPU: 2 processes over gloo train the debug config (resuming: tests/test_resume.py).
-The four runs below share one torchrun launch (spawn_ranks.torchrun_plan); the default one ends with a
+The runs below share one torchrun launch (spawn_ranks.torchrun_plan); the default one ends with a
 Hugging Face export."""
 
 import json
@@ -30,6 +30,8 @@ RUNS = {
                "--checkpoint.last_save_model_only"],
     "ep2_bf16": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
                  "--training.mixed_precision_param", "bfloat16"],
+    "ep2_bf16_experts_in_fsdp": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
+                                 "--training.mixed_precision_param", "bfloat16"],
     "recipe": ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
                "--training.global_batch_size", "32", "--router.balance_loss", "global_batch",
                "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001"],
@@ -62,7 +64,11 @@ def test_the_readme_command_trains_quietly(tmp_path):
 def launched(tmp_path_factory) -> Path:
     """The folder holding each run's dump folder (one torchrun launch for all of RUNS)."""
     d = tmp_path_factory.mktemp("train_cpu")
-    torchrun_plan([{"train": ["--job.dump_folder", str(d / name), *overrides]} for name, overrides in RUNS.items()], d)
+    plan = [{"train": ["--job.dump_folder", str(d / name), *overrides]} for name, overrides in RUNS.items()]
+    for op, name in zip(plan, RUNS):
+        if name.startswith("ep2_bf16"):
+            op.update(experts=str(d / f"{name}.experts.json"), experts_in_fsdp=name.endswith("in_fsdp"))
+    torchrun_plan(plan, d)
     return d
 
 
@@ -124,6 +130,19 @@ def test_expert_parallel_bf16_mixed_precision(runs):
     # bf16 parameters under EP: the experts' FSDP group must leave the fp32 probs alone.
     records = runs["ep2_bf16"]
     assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]
+
+
+def test_experts_outside_fsdp_train_as_under_it_without_its_copies(runs, launched):
+    # EP = 2 on 2 processes: the experts' FSDP group would have one rank. They stay outside FSDP2 (fp32
+    # master weights on the EP mesh, cast in the GEMM: no all-gather or reduce-scatter copies, issue 21)
+    # and train bit for bit as they did under FSDP2 (the same casts; a sum over one rank is exact).
+    layouts = {name: json.loads((launched / f"{name}.experts.json").read_text())
+               for name in ("ep2_bf16", "ep2_bf16_experts_in_fsdp")}
+    assert layouts["ep2_bf16"] == [{"fsdp": False, "mesh": ["ep"], "weight": "torch.float32",
+                                    "grad": "torch.float32"}] * 4, layouts["ep2_bf16"]
+    assert all(seen["fsdp"] for seen in layouts["ep2_bf16_experts_in_fsdp"]), layouts
+    outside, inside = runs["ep2_bf16"], runs["ep2_bf16_experts_in_fsdp"]
+    assert [(r["loss"], r["grad_norm"]) for r in outside] == [(r["loss"], r["grad_norm"]) for r in inside]
 
 
 def test_router_recipe_terms_are_logged_each_on_its_own(runs):

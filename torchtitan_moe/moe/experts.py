@@ -42,6 +42,11 @@ class GroupedExperts(nn.Module):
         self.kernels = kernels
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
+        # Set by parallelize when the experts stay outside FSDP2 (their group would have one rank):
+        # the GEMMs' dtype (FSDP2's param_dtype), and whether the cast copy of the fp32 weights
+        # is made again in backward rather than kept (FSDP2's reshard_after_forward).
+        self.param_dtype: torch.dtype | None = None
+        self.recast_weights = False
 
     def init_weights(self, out_std: float) -> None:
         """w13 at std 0.02; w2, an output projection, at the depth-scaled `out_std`."""
@@ -49,14 +54,17 @@ class GroupedExperts(nn.Module):
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """The dtype of the experts' GEMMs: autocast's where autocast is on, else the weights'
-        (under FSDP2, the unsharded weights' mixed-precision dtype: read it inside forward)."""
-        return autocast_dtype(device) or self.w13.dtype
+        """The dtype of the experts' GEMMs: autocast's where autocast is on, else `param_dtype`
+        outside FSDP2, else the weights' (under FSDP2, the unsharded weights' mixed-precision
+        dtype: read it inside forward)."""
+        return autocast_dtype(device) or self.param_dtype or self.w13.dtype
 
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""
         dtype = self.compute_dtype(batch.x.device)
-        w13, w2 = _local(self.w13).to(dtype), _local(self.w2).to(dtype)
+        w13, w2 = _local(self.w13), _local(self.w2)
+        if not self.recast_weights:  # else grouped_mm casts them, in forward and again in backward
+            w13, w2 = w13.to(dtype), w2.to(dtype)  # autograd keeps the cast copies for backward
         x = batch.x.to(dtype)
         ab = ops.grouped_mm(x, w13.transpose(-2, -1), batch.offsets)
         h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)

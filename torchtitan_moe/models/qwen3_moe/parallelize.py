@@ -3,6 +3,8 @@
 FSDP2 groups (outermost last):
     tok_embeddings | per block: router (fp32 params), experts (EP: on the efsdp mesh), block
     | norm + output | model
+Where the efsdp group has one rank (EP = the processes of a replica), the experts stay
+outside FSDP2: see keep_experts_unsharded.
 The router gets its own group with fp32 parameters so the gate is computed in fp32 even
 when the rest of the block all-gathers bf16.
 """
@@ -97,28 +99,58 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
     reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
 
     fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    unsharded_experts: set[nn.Parameter] = set()  # their FSDP group would have one rank
     for block in model.layers.values():
         moe = block.moe
         fully_shard(moe.router, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if ep > 1:
             edp_names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
             edp_mesh = parallel_dims.get_mesh(edp_names)
-            # When experts are fewer than efsdp x ep shards, shard each expert's rows instead.
-            experts_per_rank = moe.experts.num_experts // ep
-            placement = (lambda p: Shard(1)) if edp_mesh.size() > experts_per_rank else None
-            # The experts take an ExpertBatch whose probs must stay fp32: FSDP must not cast
-            # the inputs (the experts cast their rows to the weights' dtype themselves).
-            experts_mp = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                                              cast_forward_inputs=False)
-            fully_shard(moe.experts, mesh=edp_mesh, mp_policy=experts_mp, reshard_after_forward=reshard,
-                        shard_placement_fn=placement)
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+            if experts_outside_fsdp(edp_mesh):
+                keep_experts_unsharded(moe.experts, mp.param_dtype, reshard)
+                unsharded_experts |= set(moe.experts.parameters())
+            else:
+                shard_experts(moe.experts, edp_mesh, ep, mp, reshard)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard,
+                    ignored_params=unsharded_experts & set(block.parameters()))
     fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=unsharded_experts)
 
     # The loss is already divided by the global token count: FSDP must only sum.
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
     use_sum_reductions(model)
-    logger.info(f"Applied FSDP2 over {list(dp_mesh.mesh_dim_names)} {tuple(dp_mesh.shape)}, EP = {ep}")
+    logger.info(f"Applied FSDP2 over {list(dp_mesh.mesh_dim_names)} {tuple(dp_mesh.shape)}, EP = {ep}"
+                + (", experts outside FSDP2 (one rank per expert shard)" if unsharded_experts else ""))
+
+
+def shard_experts(experts: nn.Module, edp_mesh, ep: int, mp: MixedPrecisionPolicy, reshard: bool) -> None:
+    """FSDP2 over the experts' data-parallel group (efsdp, and dp_replicate under HSDP)."""
+    # When experts are fewer than efsdp x ep shards, shard each expert's rows instead.
+    placement = (lambda p: Shard(1)) if edp_mesh.size() > experts.num_experts // ep else None
+    # The experts take an ExpertBatch whose probs must stay fp32: FSDP must not cast the
+    # inputs (the experts cast their rows to the weights' dtype themselves).
+    experts_mp = MixedPrecisionPolicy(param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                                      cast_forward_inputs=False)
+    fully_shard(experts, mesh=edp_mesh, mp_policy=experts_mp, reshard_after_forward=reshard,
+                shard_placement_fn=placement)
+
+
+def experts_outside_fsdp(edp_mesh) -> bool:
+    """Whether the experts stay outside FSDP2: their data-parallel group has one rank."""
+    return edp_mesh.size() == 1
+
+
+def keep_experts_unsharded(experts: nn.Module, param_dtype: torch.dtype, reshard: bool) -> None:
+    """Experts whose FSDP group would have one rank (EP = the replica's processes) stay outside FSDP2.
+
+    There FSDP2 shards nothing and reduces nothing, yet per step it would cast the fp32 weights
+    into its all-gather buffer, "all-gather" and copy them out (again for backward when it
+    reshards), and copy the bf16 gradients into an fp32 buffer to "reduce-scatter" them. Here
+    the fp32 weights (the optimizer's master copy, EP-sharded DTensors) are cast once in the
+    GEMM, again in backward when resharding after forward (`grouped_mm` takes them as they are),
+    and their gradients come back in fp32 from that cast's backward.
+    """
+    experts.param_dtype = param_dtype
+    experts.recast_weights = reshard

@@ -69,15 +69,19 @@ def test_against_torchtitan_switches_each_difference_back_alone():
     settings = parity.against_torchtitan(CONFIG, [])
     names = [s.name for s in settings]
     # debug.toml trains with the global-batch balance loss; on CPU its gate and kernels already match (fp32, torch).
-    assert names == ["torchtitan", "ours as torchtitan", "torchtitan, again", "+ fp32 gate", "+ our kernels and loss",
-                     "+ balance and z losses", "ours", "torchtitan, own init"]
-    as_tt, losses = dict(settings[1].values), dict(settings[5].values)
+    assert names == ["torchtitan", "ours as torchtitan", "torchtitan, again", "torchtitan, 2 micro-batches",
+                     "+ fp32 gate", "+ our kernels and loss", "+ balance and z losses", "ours", "torchtitan, own init"]
+    as_tt, losses = dict(settings[1].values), dict(settings[6].values)
     assert as_tt["router.balance_loss"] == "none" and losses["router.balance_loss"] == "global_batch"
     assert losses["router.balance_loss_coeff"] == "0.1"
     keys = ("router.balance_loss", "router.balance_loss_coeff", "router.z_loss_coeff")
     assert {k: v for k, v in losses.items() if k not in keys} == {k: v for k, v in as_tt.items() if k not in keys}
-    assert [s.checked for s in settings[1:]] == [True] + [False] * 6
+    assert [s.checked for s in settings[1:]] == [True] + [False] * 7
     assert settings[2].values == settings[0].values
+    # The rounding control: torchtitan on the same global batch (8 sequences a process) in two halves.
+    control = dict(settings[3].values)
+    assert control == {**dict(settings[0].values), "training.local_batch_size": "4", "training.global_batch_size": "8"}
+    assert dict(parity.against_torchtitan(CONFIG, [], nproc=2)[3].values)["training.global_batch_size"] == "16"
     assert not settings[-1].same_init and dict(settings[0].values)["model.init_from"] == "qwen3_moe"
     bias = parity.against_torchtitan(CONFIG, ["--router.bias_update_rate", "1e-3", "--router.balance_loss", "none",
                                               "--router.balance_loss_coeff", "0"])
@@ -119,6 +123,24 @@ def test_against_torchtitan_checks_that_its_own_init_differs(tmp_path, monkeypat
     # ... and fails when the own init was not one (the copy went the wrong way, or not at all).
     monkeypatch.setattr(parity, "launch", fake_launch(lambda dump: {"w": [1.0, 2.0]}))
     assert parity.main(argv) == 1
+
+
+@pytest.mark.parametrize("ours_apart", [0.0, 0.5])
+def test_against_torchtitan_reports_ours_next_to_torchtitans_rounding_spread(tmp_path, monkeypatch, ours_apart):
+    def launch(config, dump, overrides, nproc, log):
+        dump.mkdir(parents=True, exist_ok=True)
+        losses = {"ours_as_torchtitan": [5.0, 4.0 + ours_apart], "torchtitan_2_micro-batches": [5.0, 4.1]}
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records(
+            losses.get(dump.name, [5.0, 4.0]), [1.0, 0.5])) + "\n")
+        (dump / "init_fingerprint.json").write_text(json.dumps({"w": [1.0, 2.0]}))
+
+    monkeypatch.setattr(parity, "launch", launch)
+    parity.main([CONFIG, "--against", "torchtitan", "--only", "ours as torchtitan", "--only",
+                 "torchtitan, 2 micro-batches", "--out", str(tmp_path), "--no-plot"])
+    report = (tmp_path / "parity.md").read_text()
+    line = next(x for x in report.splitlines() if x.startswith("rounding spread:"))
+    assert ("OUTSIDE" in line) == bool(ours_apart), line
+    assert "2.44e-02 and 0.00e+00" in line  # the control's loss apart 0.1 / 4.1
 
 
 def test_the_bf16_gate_is_torchtitans_gate():

@@ -94,10 +94,16 @@ AS_TORCHTITAN = {
 }
 
 
-def against_torchtitan(config: str, extra: list[str]) -> list[Setting]:
+ROUNDING_CONTROL = "torchtitan, 2 micro-batches"
+
+
+def against_torchtitan(config: str, extra: list[str], nproc: int = 1) -> list[Setting]:
     """torchtitan's Qwen3-MoE from our init; ours switched to its behaviour (the parity check);
-    then each difference switched back to the config's value alone, ours as configured, and
-    torchtitan from its own init (the attribution of the gap between the two models)."""
+    torchtitan again (its run-to-run spread) and torchtitan on the same tokens in 2 micro-batches
+    (ROUNDING_CONTROL: the same mathematics rounded otherwise, how far a rounding-level difference
+    grows over the run); then each difference switched back to the config's value alone, ours as
+    configured, and torchtitan from its own init (the attribution of the gap between the two models).
+    `nproc`: the processes of each run (all data-parallel ranks), for the control's global batch."""
     from torchtitan_moe.config_loader import load_job_config
 
     job = load_job_config(["--job.config_file", config, *extra])
@@ -113,10 +119,14 @@ def against_torchtitan(config: str, extra: list[str]) -> list[Setting]:
     from_ours = [*torchtitan, ("model.init_from", "qwen3_moe")]
     settings = [Setting("torchtitan", from_ours), Setting("ours as torchtitan", as_tt),
                 Setting("torchtitan, again", from_ours, checked=False)]  # its own run-to-run spread
-    for name, keys in differences:
-        if any(_differs(configured[k], AS_TORCHTITAN[k]) for k in keys):
-            settings.append(Setting(name, [(k, configured[k] if k in keys else v) for k, v in as_tt], checked=False))
-    if len(settings) > 4:
+    local = job.training.local_batch_size
+    if local % 2 == 0:  # the same global batch, accumulated from two halves
+        settings.append(Setting(ROUNDING_CONTROL, [*from_ours, ("training.local_batch_size", str(local // 2)),
+                                                   ("training.global_batch_size", str(local * nproc))], checked=False))
+    switched = [(name, keys) for name, keys in differences if any(_differs(configured[k], AS_TORCHTITAN[k]) for k in keys)]
+    for name, keys in switched:
+        settings.append(Setting(name, [(k, configured[k] if k in keys else v) for k, v in as_tt], checked=False))
+    if len(switched) > 1:  # with one, that row is ours as configured
         settings.append(Setting("ours", [(k, configured[k]) for k in AS_TORCHTITAN], checked=False))
     settings.append(Setting("torchtitan, own init", torchtitan, checked=False, same_init=False))
     return settings
@@ -425,6 +435,18 @@ def fingerprint_difference(base: dict, other: dict, rtol: float = 1e-9) -> str |
     return None
 
 
+def rounding_spread(comparisons: list[Comparison]) -> str:
+    """Ours against torchtitan next to torchtitan against itself rounded otherwise (2 micro-batches)."""
+    by_name = {c.name: c for c in comparisons}
+    ours, control = by_name["ours as torchtitan"], by_name[ROUNDING_CONTROL]
+    within = ours.loss <= control.loss and ours.grad_norm <= control.grad_norm
+    return (f"rounding spread: ours as torchtitan differs from torchtitan by at most {ours.loss:.2e} in loss and "
+            f"{ours.grad_norm:.2e} in grad norm; torchtitan on the same tokens in 2 micro-batches by {control.loss:.2e} "
+            f"and {control.grad_norm:.2e}: " + ("within torchtitan's own rounding spread" if within
+                                                else "OUTSIDE torchtitan's own rounding spread")
+            + " (information: the verdict is the tolerance above)")
+
+
 def attribution(names: list[str], runs: list[list[dict]], steps: tuple[int, ...] = (30,)) -> str:
     """Loss of each setting at step 30 and at the last step, and its difference to the first's."""
     last = runs[0][-1]["step"]
@@ -443,7 +465,8 @@ def attribution(names: list[str], runs: list[list[dict]], steps: tuple[int, ...]
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    settings = against_torchtitan(args.config, args.extra) if args.against else settings_from(args.vary)
+    settings = (against_torchtitan(args.config, args.extra, args.nproc or default_nproc([])) if args.against
+                else settings_from(args.vary))
     if args.only:
         unknown = set(args.only) - {s.name for s in settings}
         if unknown:
@@ -504,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
             starts_ok &= same == s.same_init
             report += (f"\n\nstart: {s.name} " + ("from the same weights as " + names[0] if same else f"from other weights ({diff})")
                        + ("" if same == s.same_init else "  <- WRONG"))
+    if args.against and ROUNDING_CONTROL in names[1:] and "ours as torchtitan" in names[1:]:
+        report += "\n\n" + rounding_spread(comparisons)
     if args.against:
         report += "\n\nloss of each setting (attribution of the gap; each '+' row is ours as torchtitan with one "
         report += "difference switched back to the config's value):\n\n" + attribution(names, runs)

@@ -18,8 +18,8 @@ was written): `python -m torchtitan_moe.bench_train CONFIG --overlap none,chunks
 Same results as one chunk: the router, its losses and the layer's statistics see all T tokens
 (the caller counts them before calling here); each token's rows, expert outputs and sums are
 the ones it gets unchunked. What changes is summation order only where sums run over tokens:
-the experts' weight gradients are two GEMMs' sums added (fp32 order), and a GEMM's rows may round
-differently with another row count (tests/test_overlap.py measures both).
+the experts' weight gradients are two GEMMs' sums added (fp32 order; in bf16 each is rounded to bf16
+first), and a GEMM's rows may round differently with another row count (tests/test_overlap.py).
 
 Backward: autograd runs each exchange's backward on the stream its forward ran on (all_to_all:
 the communication stream, the engine making the consumer wait on an event) and runs ready nodes

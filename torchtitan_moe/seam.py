@@ -10,7 +10,9 @@ sits above both (parallelization). Every dispatcher fills the same `ExpertBatch`
 (`expert_major`), so the experts never know how rows arrived.
 
 The calls are staged: `start_*` queues the work (on CUDA, communication may run on its own
-stream) and returns a handle; `wait()` makes the result usable on the current stream. What a
+stream) and returns a handle; `wait()` makes the result usable on the current stream; `send()`
+queues the call's communication before then where `start_*` could not (the chunked schedule,
+moe/chunks.py, puts one chunk's exchange under the other chunk's experts that way). What a
 call keeps for its combine and its backward travels in the handle and the batch, not in the
 dispatcher. Not yet the exchanges kept for an activation-checkpointing recompute: those are
 still replayed in call order from the dispatcher (dispatch/replay.py), which holds as long as

@@ -12,8 +12,11 @@
 
 The overlap exists only where an exchange runs beside the compute: on CUDA (all_to_all on its
 communication stream, DeepEP on its own); on CPU/gloo every exchange finishes where it is called
-and the schedule is the plain one twice. Opt-in and not measured at EP = 2 (no 2-GPU machine when it
-was written): `python -m torchtitan_moe.bench_train CONFIG --overlap none,chunks -- ...` measures it.
+and the schedule is the plain one twice. Opt-in and NOT MEASURED at EP = 2 (no 2-GPU machine when it
+was written); on 2 GPUs this measures it, each variant with overlap against the same without:
+
+    python -m torchtitan_moe.bench_train configs/qwen3_30b_a3b_8l.toml --models all_to_all,deepep \
+        --routers learned --modes eager,compiled --overlap none,chunks -- --parallelism.expert_parallel_degree 2
 
 Same results as one chunk: the router, its losses and the layer's statistics see all T tokens
 (the caller counts them before calling here); each token's rows, expert outputs and sums are

@@ -63,7 +63,7 @@ class PerExpertRowsDispatcher:
     def exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         return exchange([rows], send, recv, self.group)[0]  # the gradient goes back the way it came
 
-    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> Done[ExpertBatch]:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Done[ExpertBatch]:
         index = ops.routing_index(routing.experts, self.num_experts, backend=self.kernels)  # rows by expert = by rank
         counts = index.tokens_per_expert.view(self.ep_size, self.local_experts).sum(1)
         recv_counts = torch.empty_like(counts)

@@ -10,6 +10,7 @@
 #   tests/ops            kernels compiled (not interpreted), at Qwen3-30B-A3B sizes, against float64
 #   test_moe_layer       the layer with Triton kernels against the torch reference
 #   test_output_loss     the model's output layer computes torchtitan's loss with the Triton kernel
+#   test_overlap         2 GPUs: [dispatch] overlap = "chunks" against one chunk, NCCL all-to-all and DeepEP
 #   test_sharded_init    2 GPUs (NCCL): init equals 1 GPU's, gradients of FSDP and EP = 2 equal 1 GPU's
 #   test_gpu_e2e         the debug model trains on 1 GPU with Triton kernels; a zero gate stops the run;
 #                        two runs are bitwise identical; EP = 2 (all-to-all + Triton) matches EP = 1

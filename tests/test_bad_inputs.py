@@ -81,6 +81,7 @@ TYPES = [
     ("router", "score_func", "relu", "[router] score_func", "'softmax' | 'sigmoid'"),
     ("dispatch", "backend", "nvshmem", "[dispatch] backend", "'auto' | 'local' | 'all_to_all' | 'deepep'"),
     ("dispatch", "buffers", "huge", "[dispatch] buffers", "'exact' | 'worst_case'"),
+    ("dispatch", "overlap", "both", "[dispatch] overlap", "'none' | 'chunks'"),
     ("kernels", "backend", "cuda", "[kernels] backend", "'auto' | 'torch' | 'triton'"),
     ("moe", "padding", "sometimes", "[moe] padding", "'none' | 'auto' | 'always'"),
     ("router", "balance_loss", "batch", "[router] balance_loss", "'none'"),
@@ -118,6 +119,8 @@ OTHERS = [
       "bfloat16", "--nproc", "4", "--nproc-per-node", "2"], "EP would span nodes (2 processes per node)"),
     (["--dispatch.num_sms", "32", "--dispatch.backend", "all_to_all", "--parallelism.expert_parallel_degree", "2"],
      "[dispatch] num_sms = 32 sets DeepEP's SMs"),
+    (["--dispatch.overlap", "chunks"], "[dispatch] overlap = 'chunks' overlaps the exchanges between EP ranks: it needs "
+     "[parallelism] expert_parallel_degree > 1 (got 1)"),
     (["--parallelism.expert_parallel_degree", "4", "--nproc", "2"], "must divide the FSDP group size (2 of 2 processes)"),
     (["--parallelism.data_parallel_replicate_degree", "3", "--nproc", "2"],
      "[parallelism] data_parallel_replicate_degree = 3: must divide the number of processes (2)"),

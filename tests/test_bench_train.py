@@ -77,3 +77,21 @@ def test_plot_losses_labels_every_curve_and_gives_its_gap_to_the_first(tmp_path)
     assert list(runs) == ["ours eager a", "ours compiled run 2"]  # the failed variant has no curve
     # last step: 9.8 / 10 - 1 = -2%; last 10 steps: (108 + 9.8) / (108 + 10) - 1 = -0.17%
     assert "| ours compiled run 2 | 10 | 9.8000 | -2.00% | -0.17% |" in plot_losses["gaps"](runs)
+
+
+def test_overlap_adds_chunked_variants_of_our_ep_dispatchers_and_compares_them():
+    from torchtitan_moe.bench_train import overlap_gain, parse_args
+
+    v = Variant("all_to_all", "learned", "eager", overlap="chunks")
+    assert v.name == "ours/all_to_all learned eager overlap chunks"
+    assert v.overrides()[-3:] == ["--dispatch.overlap", "chunks", "--compile.no-enable"]
+    plain = Variant("all_to_all", "learned", "eager")
+    tt = Variant("torchtitan", "learned", "eager")
+    results = {plain.name: {"tps": 1000.0, "final_loss": 5.0}, v.name: {"tps": 1100.0, "final_loss": 5.0},
+               tt.name: {"tps": 500.0, "final_loss": 6.0}}
+    assert overlap_gain([tt, plain, v], results) .endswith("| ours/all_to_all learned eager overlap chunks | 1,000 | "
+                                                           "1,100 | 1.100x | +0.00e+00 |")
+    rows = table([tt, plain, v], {k: {**r, "tflops": 1.0, "memory_gib": 1.0} for k, r in results.items()})
+    assert "| 2.20x | - |" in rows  # against torchtitan's variant without overlap
+    with pytest.raises(SystemExit):
+        parse_args(["configs/debug.toml", "--overlap", "none,both"])

@@ -3,7 +3,7 @@
 CPU/gloo (tests/host_reads.py: each read there is a host sync on a GPU), over the whole train_step
 (forward, backward, clipping, optimizer and expert-bias update) of steps that log nothing.
 Measured: 1 (torchtitan's global token count, `dist_sum(...).item()` in its train_step) with worst-case
-buffers; 1 + one per MoE layer with exact ones."""
+buffers; 1 + one per MoE layer with exact ones; with [dispatch] overlap = "chunks", one per chunk and layer."""
 
 import json
 
@@ -19,10 +19,15 @@ LAYERS = 4  # the debug flavor's
 
 def test_a_training_step_syncs_with_the_host_at_most_twice(tmp_path):
     ep2 = ["--parallelism.expert_parallel_degree", "2"]
-    plan = [{"host_syncs": [*ep2, "--dispatch.buffers", b, "--job.dump_folder", str(tmp_path / b)],
-             "out": str(tmp_path / f"{b}.json")} for b in ("worst_case", "exact")]
+    runs = {"worst_case": [], "exact": [], "worst_case_chunks": ["--dispatch.overlap", "chunks"],
+            "exact_chunks": ["--dispatch.overlap", "chunks"]}
+    plan = [{"host_syncs": [*ep2, "--dispatch.buffers", name.removesuffix("_chunks"), *extra, "--job.dump_folder",
+                            str(tmp_path / name)], "out": str(tmp_path / f"{name}.json")} for name, extra in runs.items()]
     torchrun_plan(plan, tmp_path)
-    worst, exact = (json.loads((tmp_path / f"{b}.json").read_text()) for b in ("worst_case", "exact"))
+    worst, exact, worst_chunks, exact_chunks = (json.loads((tmp_path / f"{b}.json").read_text()) for b in runs)
     assert len(worst) == 2 and all(n <= MAX_SYNCS_PER_STEP for n in worst), worst
     # The exact buffers read each layer's split sizes once: the count tells them apart.
     assert all(n == w + LAYERS for n, w in zip(exact, worst)), (exact, worst)
+    # [dispatch] overlap = "chunks": no more with worst-case buffers; exact ones read them once per chunk.
+    assert worst_chunks == worst, (worst_chunks, worst)
+    assert all(n == w + 2 * LAYERS for n, w in zip(exact_chunks, worst)), (exact_chunks, worst)

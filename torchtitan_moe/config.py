@@ -112,6 +112,10 @@ class Dispatch:
     """EP > 1: 'exact' sizes the received rows from their counts (one host sync per MoE layer);
     'worst_case' for the most a rank can receive: no host sync, more memory (dispatch/all_to_all.py)."""
 
+    overlap: Literal["none", "chunks"] = "none"
+    """EP > 1: 'chunks' splits each MoE layer's tokens in two, one chunk's dispatch or combine in
+    flight while the other's experts compute (moe/chunks.py); opt-in, not yet measured at EP = 2."""
+
 
 @dataclass
 class Kernels:
@@ -480,6 +484,9 @@ def check_dispatch(cfg: Any, ep: int) -> None:
         precision = cfg.training.mixed_precision_param
         _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
                                        f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
+    _need(cfg.dispatch.overlap == "none" or ep > 1,
+          f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
+          f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")
     num_sms = cfg.dispatch.num_sms
     _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
           f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")

@@ -10,7 +10,9 @@ sits above both (parallelization). Every dispatcher fills the same `ExpertBatch`
 (`expert_major`), so the experts never know how rows arrived.
 
 The calls are staged: `start_*` queues the work (on CUDA, communication may run on its own
-stream) and returns a handle; `wait()` makes the result usable on the current stream. What a
+stream) and returns a handle; `wait()` makes the result usable on the current stream; `send()`
+queues the call's communication before then where `start_*` could not (the chunked schedule,
+moe/chunks.py, puts one chunk's exchange under the other chunk's experts that way). What a
 call keeps for its combine and its backward travels in the handle and the batch, not in the
 dispatcher. Not yet the exchanges kept for an activation-checkpointing recompute: those are
 still replayed in call order from the dispatcher (dispatch/replay.py), which holds as long as
@@ -70,7 +72,13 @@ class ExpertBatch:
 
 
 class Pending(Protocol[T]):
-    """A started dispatch or combine. `wait()` once: the result, usable on the current stream."""
+    """A started dispatch or combine. `wait()` once: the result, usable on the current stream.
+
+    `send()` queues the call's communication now where `start_*` could not (exact buffers: the
+    split sizes must reach the host first); a no-op where it is under way. `wait()` implies it.
+    """
+
+    def send(self) -> None: ...
 
     def wait(self) -> T: ...
 
@@ -78,7 +86,9 @@ class Pending(Protocol[T]):
 class Dispatcher(Protocol):
     kernels: str  # "torch" or "triton": the ops backend, also the experts'
 
-    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> Pending[ExpertBatch]: ...
+    # chunk: this dispatch's place among the layer forward's dispatches (the chunked schedule,
+    # moe/chunks.py, makes 2): what an earlier forward kept for a recompute is dropped at chunk 0 only.
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Pending[ExpertBatch]: ...
 
     def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Pending[torch.Tensor]: ...
 
@@ -88,6 +98,9 @@ class Done(Generic[T]):
 
     def __init__(self, value: T):
         self.value = value
+
+    def send(self) -> None:
+        pass
 
     def wait(self) -> T:
         return self.value
@@ -154,7 +167,7 @@ class LocalDispatcher:
         self.align = align
         self.kernels = kernels
 
-    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> Done[ExpertBatch]:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Done[ExpertBatch]:
         batch, index = expert_major(x, routing.experts, routing.probs, self.num_experts, self.align, self.kernels)
         batch.ctx = index
         return Done(batch)

@@ -37,6 +37,10 @@ side costs nothing more (T min(K, P) rows either way at P <= K). Hence a switch,
 Everything but the exchanges is gather-based and deterministic (ops.gather_rows/combine).
 Under activation checkpointing the recomputed forward replays the exchanges it kept from
 the first forward (`keep_exchanges`) instead of communicating again.
+
+`chunk` (start_dispatch): the chunked schedule's dispatches of one forward (moe/chunks.py); a
+dispatch with exact buffers queues its exchange at `send()`, which that schedule calls before the
+other chunk's experts so that the exchange runs under them.
 """
 
 from __future__ import annotations
@@ -122,12 +126,12 @@ class AllToAllDispatcher(ReplaysExchanges):
         self._keep([y.detach() for y in outs])
         return outs
 
-    def _plan_exchange(self, counts: torch.Tensor) -> _Counts:
+    def _plan_exchange(self, counts: torch.Tensor, chunk: int) -> _Counts:
         """counts [P, 2] (rows, slots) to each rank -> rows to/from each rank, slots received,
         on their way to the host (read them with `.wait()`)."""
         if self._replaying():
             return _Counts(self._replayed())
-        self._first_exchange()
+        self._first_exchange(chunk)
         one_row = [1] * self.ep_size
         (recv,) = exchange([counts], one_row, one_row, self.group)
         return _Counts(torch.cat([counts[:, 0], recv[:, 0], recv[:, 1].sum().view(1)]), self.ep_size)
@@ -152,7 +156,7 @@ class AllToAllDispatcher(ReplaysExchanges):
 
     # -- the dispatcher seam ------------------------------------------------------------------
 
-    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> _PendingDispatch:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _PendingDispatch:
         experts, probs = routing.experts, routing.probs
         num_tokens, top_k = experts.shape
         # One row per (token, rank): routing_index over each token's first slot on every rank.
@@ -161,9 +165,9 @@ class AllToAllDispatcher(ReplaysExchanges):
         send_index = ops.routing_index(rank_slots, self.ep_size, num_slots=num_tokens * min(top_k, self.ep_size),
                                        backend=self.kernels)
         if self.buffers == "worst_case":
-            return self._start_fixed(x, experts, probs, rank_slots, send_index)
+            return self._start_fixed(x, experts, probs, rank_slots, send_index, chunk)
         counts = torch.stack([send_index.tokens_per_expert, slots_per_rank], dim=1)
-        pending = self._plan_exchange(counts)
+        pending = self._plan_exchange(counts, chunk)
 
         # Queued while the counts travel to the host: the rows and their metadata, for every row
         # that may be sent (rows past the sent ones are never read). Each row carries its
@@ -181,13 +185,13 @@ class AllToAllDispatcher(ReplaysExchanges):
         sent = _Rows(send_index.inv, send_index.row_slot[:num_send], top_k, send_index.num_rows)
         return _Started(outs, done, sent, send_rows, recv_rows, recv_slots)
 
-    def _start_fixed(self, x, experts, probs, rank_slots, send_index) -> _PendingDispatch:
+    def _start_fixed(self, x, experts, probs, rank_slots, send_index, chunk: int) -> _PendingDispatch:
         """Every rank sends T rows to every rank (rank p's rows first, then tail rows that carry
         no slot): the splits are known without asking the device, and the receiver finds its
         rows' experts in their metadata (-1: a tail row)."""
         num_tokens, top_k = experts.shape
         if not self._replaying():
-            self._first_exchange()
+            self._first_exchange(chunk)
         sent = fixed_capacity(send_index, rank_slots, num_tokens, self.ep_size)
         rows = ops.gather_rows(x, sent, backend=self.kernels)  # [P T, D]
         meta = ops.send_meta(sent.row_slot, experts, probs, self.local_experts, backend=self.kernels)  # [P T, 2K]
@@ -243,9 +247,15 @@ class _PendingDispatch:
     def __init__(self, dispatcher: AllToAllDispatcher, top_k: int, started: _Started | None = None, launch=None):
         self.dispatcher, self.top_k, self.started, self.launch = dispatcher, top_k, started, launch
 
+    def send(self) -> None:
+        """Exact buffers: the host sync, then the exchange queued (on CUDA, on the communication stream)."""
+        if self.started is None:
+            self.started = self.launch()
+
     def wait(self) -> ExpertBatch:
         d, top_k = self.dispatcher, self.top_k
-        s = self.started if self.started is not None else self.launch()
+        self.send()
+        s = self.started
         recv, recv_meta = _arrived(s.outs, s.done)  # [R, D], [R, 2K]
         local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
         batch, local_index = expert_major(recv, local_ids, local_probs, d.local_experts, d.align, d.kernels,
@@ -277,6 +287,9 @@ class _PendingCombine:
 
     def __init__(self, back: torch.Tensor, done, send_index: _Rows, kernels: str):
         self.back, self.done, self.send_index, self.kernels = back, done, send_index, kernels
+
+    def send(self) -> None:
+        pass  # under way since start_combine
 
     def wait(self) -> torch.Tensor:
         (back,) = _arrived([self.back], self.done)

@@ -106,13 +106,13 @@ class DeepEPDispatcher(ReplaysExchanges):
         self.kernels = kernels
         self.buffers = buffers
 
-    def start_dispatch(self, x: torch.Tensor, routing: Routing) -> _PendingDispatch:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _PendingDispatch:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: tokens must be bfloat16 (DeepEP combines bf16 rows), got {x.dtype}; "
                              "train with [training] mixed_precision_param = 'bfloat16'")
         if routing.experts.shape[1] > MAX_TOP_K:
             raise ValueError(f"DeepEP dispatcher: top_k = {routing.experts.shape[1]}; DeepEP takes at most {MAX_TOP_K}")
-        recv_x, recv_probs, d = self._exchange(x, routing)
+        recv_x, recv_probs, d = self._exchange(x, routing, chunk)
         return _PendingDispatch(self, recv_x, recv_probs, d)
 
     def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _PendingCombine:
@@ -126,11 +126,11 @@ class DeepEPDispatcher(ReplaysExchanges):
     # -- the exchanges: outside torch.compile (DeepEP is opaque to it and syncs with the host) ----
 
     @torch.compiler.disable
-    def _exchange(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
+    def _exchange(self, x: torch.Tensor, routing: Routing, chunk: int) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
         if self._replaying():
             d = self._replayed()
         else:
-            self._first_exchange()
+            self._first_exchange(chunk)
             # Worst case: every token of every rank comes here (equal T on every rank, as in training).
             worst = self.ep_size * x.shape[0] if self.buffers == "worst_case" else 0
             with torch.no_grad():
@@ -160,6 +160,9 @@ class _PendingDispatch:
     def __init__(self, dispatcher: DeepEPDispatcher, recv_x: torch.Tensor, recv_probs: torch.Tensor, d: Dispatched):
         self.dispatcher, self.recv_x, self.recv_probs, self.d = dispatcher, recv_x, recv_probs, d
 
+    def send(self) -> None:
+        pass  # DeepEP's kernels are queued by start_dispatch
+
     def wait(self) -> ExpertBatch:
         p, d = self.dispatcher, self.d
         _arrived(d.done)
@@ -178,6 +181,9 @@ class _PendingCombine:
 
     def __init__(self, out: torch.Tensor, done):
         self.out, self.done = out, done
+
+    def send(self) -> None:
+        pass
 
     def wait(self) -> torch.Tensor:
         _arrived(self.done)

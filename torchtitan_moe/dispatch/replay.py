@@ -6,6 +6,10 @@ time and a host sync for a result we already had, so a dispatcher keeps each exc
 result (`_keep`) while the first forward runs and hands them back in order (`_replayed`)
 while the recompute runs (`_replaying`). parallelize sets `keep_exchanges` on the
 dispatchers of checkpointed blocks.
+
+The chunked schedule (moe/chunks.py) makes two dispatches and two combines per forward; it
+makes them in one fixed order, so its recompute asks for the kept results in the order they
+were kept (the order of `_keep` calls, which for exact buffers is at `send()`, not at start).
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ class ReplaysExchanges:
                                "that was not kept")
         return self._kept.popleft()
 
-    def _first_exchange(self) -> None:
-        """Called by a forward's first exchange: leftovers mean a forward had no backward."""
-        self._kept.clear()
+    def _first_exchange(self, chunk: int = 0) -> None:
+        """Called by a dispatch's first exchange: leftovers mean a forward had no backward. Only
+        at chunk 0: a later chunk of the same forward (moe/chunks.py) keeps after the earlier ones."""
+        if chunk == 0:
+            self._kept.clear()

@@ -4,7 +4,9 @@
                                          dispatcher.start_combine(y) ... .wait() ─► out [B, S, D]
 
 The dispatcher speaks the seam (torchtitan_moe/seam.py); which one a layer gets is decided above
-this package (parallelization); a layer used on its own gets the seam's LocalDispatcher.
+this package (parallelization); a layer used on its own gets the seam's LocalDispatcher. With
+`overlap = "chunks"` ([dispatch] overlap) the tokens after the router go through in two chunks,
+one chunk's exchange in flight while the other's experts compute (moe/chunks.py).
 
 It also keeps the per-step statistics that balancing and monitoring read:
 `tokens_per_expert` accumulates over the micro-batches of one optimizer step (the bias
@@ -20,6 +22,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from torchtitan_moe.moe.chunks import chunked_forward
 from torchtitan_moe.moe.experts import GroupedExperts, autocast_dtype
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
@@ -82,6 +85,8 @@ class MoE(nn.Module):
     # step x data-parallel ranks), so that the summed gradients are those of the mean.
     # Set once by the trainer; 1.0 for a single process without gradient accumulation.
     aux_loss_scale: float = 1.0
+    # [dispatch] overlap: "none", or "chunks" (moe/chunks.py). Set by parallelization with the dispatcher.
+    overlap: str = "none"
 
     def __init__(self, args: MoEArgs, dim: int):
         super().__init__()
@@ -150,9 +155,12 @@ class MoE(nn.Module):
         # Under autocast the rows travel in its dtype, the experts' (half the bytes of fp32). Not
         # the weights' dtype: under FSDP2 they are still sharded fp32 here, unsharded in experts().
         dtype = autocast_dtype(tokens.device)
-        batch = self.dispatcher.start_dispatch(tokens if dtype is None else tokens.to(dtype), routing).wait()
-        y = self.experts(batch)
-        out = self.dispatcher.start_combine(y, batch).wait()
+        rows = tokens if dtype is None else tokens.to(dtype)
+        if self.overlap == "chunks":  # two chunks, one's exchange under the other's experts (moe/chunks.py)
+            out = chunked_forward(self.dispatcher, self.experts, rows, routing)
+        else:
+            batch = self.dispatcher.start_dispatch(rows, routing).wait()
+            out = self.dispatcher.start_combine(self.experts(batch), batch).wait()
         if routing.aux_loss is not None:
             out = _AttachAuxLoss.apply(out, routing.aux_loss, self.aux_loss_scale)
         return out.view(batch_size, seq_len, dim)

@@ -67,6 +67,7 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
         if choice.backend == "local":
             moe.set_dispatcher(moe.local_dispatcher(device))
             continue
+        moe.overlap = job_config.dispatch.overlap
         kernels, align = moe.dispatch_settings(device)
         shard_experts(moe, ep_mesh)
         if choice.backend == "all_to_all":

@@ -224,8 +224,8 @@ def order_worker(rank: int, world: int, port: int, device: str, failures):
             from torchtitan_moe.dispatch.all_to_all import _comm_stream
 
             comm = _comm_stream(torch.device("cuda", 0))
-            assert all(s == comm for s in streams[2:]), streams  # after the two counts exchanges
-            assert len(streams) == 10, streams  # counts x 2, rows x 2, back x 2; backward 4
+            # All but the two split-size exchanges (one per chunk: their sizes go to the host) run there.
+            assert sum(s != comm for s in streams) == 2 and len(streams) > 2, streams
 
 
 def test_backward_issues_each_reverse_exchange_before_the_other_chunks_expert_backward():

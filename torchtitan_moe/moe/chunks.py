@@ -24,6 +24,10 @@ the ones it gets unchunked. What changes is summation order only where sums run 
 the experts' weight gradients are two GEMMs' sums added (fp32 order; in bf16 each is rounded to bf16
 first), and a GEMM's rows may round differently with another row count (tests/test_overlap.py).
 
+Costs besides the exchanges: the experts' weights are prepared once per chunk (FSDP2 unshards them
+per call where it reshards after forward; experts outside FSDP2 cast them per call: twice the casts,
+or two kept bf16 copies where they are kept).
+
 Backward: autograd runs each exchange's backward on the stream its forward ran on (all_to_all:
 the communication stream, the engine making the consumer wait on an event) and runs ready nodes
 latest-created first, so one chunk's reverse exchange is queued while the other chunk's expert

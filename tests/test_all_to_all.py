@@ -8,7 +8,7 @@ from numerics import assert_close_to_max
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from spawn_ranks import rank_group, run_ranks
+from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs
 
@@ -28,16 +28,6 @@ def forward_backward(layer: MoE, x: torch.Tensor, grad: torch.Tensor, use_checkp
     out = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
     out.backward(grad)
     return out.detach(), x.grad, layer.router.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad
-
-
-def count_exchanges(monkeypatch_target: list) -> None:
-    original = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        monkeypatch_target.append(1)
-        return original(*args, **kwargs)
-
-    dist.all_to_all_single = counting
 
 
 def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, kernels,

@@ -24,7 +24,7 @@ from numerics import assert_close_to_max
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
-from spawn_ranks import rank_group, run_ranks
+from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.chunks import chunk_bounds, split_routing
@@ -57,16 +57,6 @@ def make_dispatcher(kind: str, buffers: str, world: int, kernels: str):
 
     return DeepEPDispatcher(EXPERTS, DeepEPV1(group, default_settings(world), DIM), align=8, kernels=kernels,
                             buffers=buffers)
-
-
-def count_exchanges(calls: list) -> None:
-    original = dist.all_to_all_single
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return original(*args, **kwargs)
-
-    dist.all_to_all_single = counting
 
 
 def run_layer(layer: MoE, x, grad, use_checkpoint: bool, compiler):

@@ -230,6 +230,42 @@ def test_backward_exchanges_run_on_the_communication_stream():
     run_ranks(order_worker, 1, "cuda")
 
 
+def kept_cast_worker(rank: int, world: int, port: int, failures):
+    with rank_group(rank, world, port, failures):
+        results, kept = [], []
+        for overlap in ("none", "chunks"):
+            torch.manual_seed(0)
+            layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding="none"), DIM)
+            layer.init_weights(out_std=0.1)
+            layer.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD))
+            layer.overlap = overlap
+            # As parallelize leaves experts whose FSDP group has one rank, with reshard_after_forward off.
+            layer.experts.param_dtype, layer.experts.recast_weights = torch.bfloat16, False
+            w13_shape = tuple(layer.experts.w13.transpose(-2, -1).shape)
+            copies = []
+
+            def pack(t, copies=copies, shape=w13_shape):
+                if t.dtype == torch.bfloat16 and tuple(t.shape) == shape:
+                    copies.append(t.untyped_storage().data_ptr())
+                return t
+
+            x = torch.randn(1, 21, DIM, generator=torch.Generator().manual_seed(1), requires_grad=True)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = layer(x)
+            out.backward(torch.ones_like(out))
+            kept.append(len(set(copies)))
+            results.append((out.detach(), x.grad, layer.experts.w13.grad, layer.experts.w2.grad))
+        assert kept == [1, 1], kept  # one bf16 copy of w13 kept for backward, shared by the two chunks
+        for name, a, b in zip(("out", "dx", "dw13", "dw2"), *results):
+            assert_close_to_max(b, a, 2**-7, name)  # bf16 GEMMs over other row counts, two partial sums
+
+
+def test_chunks_share_one_kept_cast_of_the_experts_weights():
+    # Experts outside FSDP2 that keep their bf16 cast for backward: both chunks use one cast (a copy
+    # per chunk would keep two), and the results are the unchunked layer's to bf16 rounding.
+    run_ranks(kept_cast_worker, 1)
+
+
 def test_split_routing_counts_each_chunk_and_keeps_the_losses_whole():
     torch.manual_seed(0)
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, balance_loss="micro_batch", balance_loss_coeff=0.1), DIM)

@@ -59,12 +59,27 @@ class GroupedExperts(nn.Module):
         dtype: read it inside forward)."""
         return autocast_dtype(device) or self.param_dtype or self.w13.dtype
 
-    def forward(self, batch: ExpertBatch) -> torch.Tensor:
-        """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""
-        dtype = self.compute_dtype(batch.x.device)
+    def gemm_weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13, w2) as the GEMMs take them: this rank's shard in the compute dtype, or the fp32
+        master weights where grouped_mm casts them itself (recast_weights)."""
         w13, w2 = _local(self.w13), _local(self.w2)
-        if not self.recast_weights:  # else grouped_mm casts them, in forward and again in backward
-            w13, w2 = w13.to(dtype), w2.to(dtype)  # autograd keeps the cast copies for backward
+        if self.recast_weights:  # grouped_mm casts them, in forward and again in backward
+            return w13, w2
+        dtype = self.compute_dtype(device)
+        return w13.to(dtype), w2.to(dtype)  # autograd keeps the cast copies for backward
+
+    def shared_weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The weights for several calls of one layer forward (moe/chunks.py), or None: each call
+        prepares its own. Shared only outside FSDP2 with the cast kept (`param_dtype` set, not
+        recasting): one kept copy for all calls instead of one per call. Under FSDP2 the weights
+        are whole only inside a call; recasting keeps no copy to share."""
+        return self.gemm_weights(device) if self.param_dtype is not None and not self.recast_weights else None
+
+    def forward(self, batch: ExpertBatch, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined. `weights`:
+        from shared_weights, else this call's gemm_weights."""
+        dtype = self.compute_dtype(batch.x.device)
+        w13, w2 = weights or self.gemm_weights(batch.x.device)
         x = batch.x.to(dtype)
         ab = ops.grouped_mm(x, w13.transpose(-2, -1), batch.offsets)
         h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)

@@ -1,7 +1,7 @@
 """Dispatch + combine, forward and backward: NCCL all-to-all (per-rank, per-expert rows) and DeepEP.
 
     torchrun --nproc_per_node 8 kernels/bench_dispatch.py [--tokens 8192] [--ep 2,4,8] [--layer]
-        [--tuned-file FILE] [--json out.json]
+        [--tuned-file FILE] [--json out.json] [--profile DIR]
 
 For each EP degree (the first EP ranks of the launch form the group):
   exchange   the rows alone: NCCL all_to_all_single of per-rank rows (ours) vs per-expert rows
@@ -18,6 +18,9 @@ For each EP degree (the first EP ranks of the launch form the group):
              EP = 1 through LocalDispatcher too: on one GPU (a one-rank group, the exchange a local
              copy) what the all-to-all path costs over the local one inside a layer, where the
              GEMMs give the host time to run ahead.
+  --profile  also traces 3 runs of each layer path (torch.profiler, after one warm-up run) into
+             DIR/ep<EP>_<path>_rank<R>.json and prints rank 0's breakdown (torchtitan_moe.step_profile:
+             GPU busy and idle, launches, host syncs, the top kernels): where a path's time goes.
 Times are medians over --iters iterations after --warmup, the max over ranks (the slowest rank
 sets the step). Routing: each token picks top_k distinct random experts.
 """
@@ -32,7 +35,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from torchtitan_moe import ops
+from torchtitan_moe import ops, step_profile
 from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
@@ -128,6 +131,13 @@ def bench_ep(ep: int, args, device) -> dict:
 
         return step
 
+    def path_ms(name: str, dispatcher) -> float:
+        step = layer_path(dispatcher)
+        ms = timed(step)
+        if args.profile:
+            result.setdefault("profiles", {})[name] = profiled(step, f"{args.profile}/ep{ep}_{name}_rank{rank}.json")
+        return ms
+
     result = {"ep": ep}
     for name, dispatcher in (
         ("per_rank", AllToAllDispatcher(args.experts, group, kernels=args.kernels)),
@@ -145,8 +155,13 @@ def bench_ep(ep: int, args, device) -> dict:
             "exchange_ms": ms, "remote_GBps": gbps(remote, ms),
             "exchange_back_ms": back_ms, "remote_back_GBps": gbps(remote_back, back_ms),
             "remote_bytes": (remote, remote_back), "rows_sent": sum(send_rows),
-            "layer_path_ms": timed(layer_path(dispatcher)),
+            "layer_path_ms": path_ms(name, dispatcher),
         }
+    # Without the host sync: every rank sends T rows to every rank ([dispatch] buffers = "worst_case").
+    result["per_rank"]["worst_case_path_ms"] = path_ms(
+        "per_rank_worst_case", AllToAllDispatcher(args.experts, group, kernels=args.kernels, buffers="worst_case"))
+    if ep == 1:  # nothing travels: the floor the exchanging dispatchers add to
+        result["local_path_ms"] = path_ms("local", LocalDispatcher(args.experts, kernels=args.kernels))
 
     if args.layer:
         dispatchers = {"all_to_all": lambda: AllToAllDispatcher(args.experts, group, align=8, kernels=args.kernels)}
@@ -171,10 +186,26 @@ def bench_ep(ep: int, args, device) -> dict:
             "dispatch_ms": dispatch_ms, "remote_GBps": gbps(remote, dispatch_ms),
             "dispatch_layout_ms": timed(lambda: backend.dispatch(x, experts, probs, args.experts)),  # noqa: B023
             "combine_ms": combine_ms, "remote_back_GBps": gbps(remote_back, combine_ms),
-            "layer_path_ms": timed(layer_path(DeepEPDispatcher(args.experts, backend, kernels=args.kernels))),
+            "layer_path_ms": path_ms(name, DeepEPDispatcher(args.experts, backend, kernels=args.kernels)),
         }
     release_buffers(group)
     return result
+
+
+def profiled(step, path: str, runs: int = 3) -> dict:
+    """Trace `runs` calls of step() after one warm-up call; -> step_profile's breakdown of the trace."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with profile(activities=activities, schedule=schedule(wait=0, warmup=1, active=runs, repeat=1),
+                 on_trace_ready=lambda p: p.export_chrome_trace(path)) as prof:
+        for _ in range(runs + 1):
+            step()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # each profiler step holds its own GPU work (step_profile's assumption)
+            prof.step()
+    return step_profile.breakdown(step_profile.load(path))
 
 
 def moe_layer_step(dispatcher, x: torch.Tensor, ep: int, me: int, args):
@@ -252,6 +283,18 @@ def print_tables(results: list[dict], args, name: str) -> None:
                   f"{pct(d['remote_GBps'])} | {d['dispatch_layout_ms'] * 1e3:.0f} | {d['combine_ms'] * 1e3:.0f} | "
                   f"{d['remote_back_GBps']:.0f} | {pct(d['remote_back_GBps'])} | {d['layer_path_ms'] * 1e3:.0f} | "
                   f"{ours['layer_path_ms'] / d['layer_path_ms']:.2f}x |")
+    print("\nlayer path (dispatch + combine, forward + backward, no GEMMs) per dispatcher; all_to_all worst_case: "
+          "[dispatch] buffers = 'worst_case' (no host sync); local: EP = 1, nothing travels")
+    print("| EP | all_to_all exact (us) | all_to_all worst_case (us) | per-expert rows (us) | local (us) |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        local = f"{r['local_path_ms'] * 1e3:.0f}" if "local_path_ms" in r else "-"
+        print(f"| {r['ep']} | {r['per_rank']['layer_path_ms'] * 1e3:.0f} | {r['per_rank']['worst_case_path_ms'] * 1e3:.0f} "
+              f"| {r['per_expert']['layer_path_ms'] * 1e3:.0f} | {local} |")
+    for r in results:
+        for path, profile in r.get("profiles", {}).items():
+            print(f"\nEP {r['ep']}, {path} layer path, rank 0's trace:\n")
+            print(step_profile.render(profile, top=12))
     if args.layer:
         print(f"\nthe whole MoE layer, forward + backward (router, dispatch, experts at inter {args.inter}, combine)")
         print("| EP | all_to_all (us) | local (us) | all_to_all / local |")
@@ -276,6 +319,7 @@ def main() -> None:
     parser.add_argument("--link-gbs", type=float, default=18 * 26.6, help="NVLink GB/s per direction per GPU")
     parser.add_argument("--tuned-file", default="", help="for the 'deepep_tuned' row, looked up before the shipped table")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--profile", default=None, metavar="DIR", help="trace each layer path into DIR (see above)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     args.dtype = torch.bfloat16  # DeepEP moves bf16 rows; so does training

@@ -16,7 +16,8 @@
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
 torch ops). <op>.py holds the API, the argument checks, the reference and the
 `torch.library` custom op (fake implementation, registered autograd: one opaque node for
-torch.compile) around the kernels; <op>_triton.py the kernels and their launchers,
+torch.compile; registered through _library.custom_op, which costs less host time per call
+than torch.library.custom_op) around the kernels; <op>_triton.py the kernels and their launchers,
 imported on first use, so backend="torch" works where Triton is not installed.
 grouped_mm is a custom op around torch._grouped_mm (whose meta function refuses fp32).
 Deterministic: no atomics, every output element written once. Rows past num_rows (garbage of torch._grouped_mm) are never read. Imports only

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import use_triton
+from ._library import custom_op
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -100,7 +101,7 @@ def combine_reference(y: torch.Tensor, index, probs: torch.Tensor | None = None)
 # also reduces dprobs (combine_backward).
 
 
-@torch.library.custom_op("torchtitan_moe::gather_rows", mutates_args=())
+@custom_op("torchtitan_moe::gather_rows")
 def _gather_rows_triton(x: torch.Tensor, row_slot: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
     from .combine_triton import gather
 
@@ -125,7 +126,7 @@ def _gather_rows_backward(ctx, dxs):
 _gather_rows_triton.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
 
 
-@torch.library.custom_op("torchtitan_moe::combine", mutates_args=())
+@custom_op("torchtitan_moe::combine")
 def _combine_triton(
     y: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, probs: torch.Tensor | None
 ) -> torch.Tensor:
@@ -139,7 +140,7 @@ def _(y, inv, row_slot, probs):
     return y.new_empty(inv.shape[0], y.shape[1])
 
 
-@torch.library.custom_op("torchtitan_moe::combine_backward", mutates_args=())
+@custom_op("torchtitan_moe::combine_backward")
 def _combine_backward(
     dout: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, probs: torch.Tensor | None, y: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

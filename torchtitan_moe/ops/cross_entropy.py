@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ._backend import use_triton
+from ._library import custom_op
 
 IGNORE_INDEX = -100  # torchtitan's (torchtitan.components.loss.IGNORE_INDEX)
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -57,7 +58,7 @@ def linear_cross_entropy_reference(
 # the backward (they do not depend on the incoming gradient, only scale with it).
 
 
-@torch.library.custom_op("torchtitan_moe::linear_cross_entropy", mutates_args=())
+@custom_op("torchtitan_moe::linear_cross_entropy")
 def _linear_cross_entropy_triton(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from ._library import custom_op
+
 
 def _check_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
@@ -39,7 +41,7 @@ def _check_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None
         raise ValueError(f"grouped_mm: x, w and offsets must share a device, got {x.device}, {w.device}, {offsets.device}")
 
 
-@torch.library.custom_op("torchtitan_moe::grouped_mm", mutates_args=())
+@custom_op("torchtitan_moe::grouped_mm")
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return torch._grouped_mm(x.contiguous(), w.to(x.dtype), offs=offsets)
 
@@ -49,7 +51,7 @@ def _(x, w, offsets):
     return x.new_empty(x.shape[0], w.shape[2])
 
 
-@torch.library.custom_op("torchtitan_moe::grouped_mm_weight", mutates_args=())
+@custom_op("torchtitan_moe::grouped_mm_weight")
 def _grouped_mm_weight(x: torch.Tensor, dy: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """x [N, D], dy [N, F] -> dw [E, D, F]; an expert without rows gets zeros."""
     return torch._grouped_mm(x.t(), dy, offs=offsets)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ._backend import use_triton
+from ._library import custom_op
 
 ALIGNS = (1, 8, 16, 32)
 
@@ -92,7 +93,7 @@ def routing_index_reference(
     return RoutingIndex(tokens_per_expert, ends.to(torch.int32), inv.view(T, K), row_slot, ends[-1], K)
 
 
-@torch.library.custom_op("torchtitan_moe::routing_index", mutates_args=())
+@custom_op("torchtitan_moe::routing_index")
 def _routing_index_triton(
     experts: torch.Tensor, num_experts: int, align: int, num_rows_alloc: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

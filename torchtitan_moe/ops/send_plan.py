@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import use_triton
+from ._library import custom_op
 
 
 def _check_args(experts: torch.Tensor, num_local: int) -> None:
@@ -68,7 +69,7 @@ def send_meta_reference(row_slot: torch.Tensor, experts: torch.Tensor, probs: to
 # ---------------------------------------------------------------------------- Triton ops
 
 
-@torch.library.custom_op("torchtitan_moe::send_plan", mutates_args=())
+@custom_op("torchtitan_moe::send_plan")
 def _send_plan_triton(experts: torch.Tensor, num_local: int, ep_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     from .send_plan_triton import send_plan_triton  # here: backend="torch" must work without Triton
 
@@ -80,7 +81,7 @@ def _(experts, num_local, ep_size):
     return experts.new_empty(experts.shape, dtype=torch.int64), experts.new_empty(ep_size, dtype=torch.int64)
 
 
-@torch.library.custom_op("torchtitan_moe::send_meta", mutates_args=())
+@custom_op("torchtitan_moe::send_meta")
 def _send_meta_triton(row_slot: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, num_local: int) -> torch.Tensor:
     from .send_plan_triton import send_meta_triton
 
@@ -92,7 +93,7 @@ def _(row_slot, experts, probs, num_local):
     return probs.new_empty(row_slot.shape[0], 2 * experts.shape[1])
 
 
-@torch.library.custom_op("torchtitan_moe::send_meta_backward", mutates_args=())
+@custom_op("torchtitan_moe::send_meta_backward")
 def _send_meta_backward(dmeta: torch.Tensor, row_slot: torch.Tensor, experts: torch.Tensor, num_local: int) -> torch.Tensor:
     from .send_plan_triton import send_meta_backward_triton
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ._backend import use_triton
+from ._library import custom_op
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -53,7 +54,7 @@ def swiglu_prob_reference(ab: torch.Tensor, probs: torch.Tensor, num_rows: torch
 # The kernels' module is imported inside, on first use: backend="torch" needs no Triton.
 
 
-@torch.library.custom_op("torchtitan_moe::swiglu_prob", mutates_args=())
+@custom_op("torchtitan_moe::swiglu_prob")
 def _swiglu_prob_triton(ab: torch.Tensor, probs: torch.Tensor, num_rows: torch.Tensor | None) -> torch.Tensor:
     from .swiglu_prob_triton import swiglu_prob_fwd
 
@@ -65,7 +66,7 @@ def _(ab, probs, num_rows):
     return ab.new_empty(ab.shape[0], ab.shape[1] // 2)
 
 
-@torch.library.custom_op("torchtitan_moe::swiglu_prob_backward", mutates_args=())
+@custom_op("torchtitan_moe::swiglu_prob_backward")
 def _swiglu_prob_backward(
     dh: torch.Tensor, ab: torch.Tensor, probs: torch.Tensor, num_rows: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

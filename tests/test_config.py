@@ -119,6 +119,21 @@ def test_router_recipe_reaches_the_model_args():
         "global_batch", 0.01, 0.001, 4, 2)
 
 
+def test_a_config_without_router_keys_trains_qwen3s_recipe_and_may_export_to_hf(tmp_path):
+    # The code's defaults are the shipped configs' recipe (the global-batch balance loss, no expert
+    # bias): a user's config without [router] keys trains a model Hugging Face's Qwen3-MoE can hold.
+    from torchtitan_moe.models.qwen3_moe import flavor_args
+
+    values = read_toml(str(DEBUG))
+    values.pop("router")
+    path = write_toml(tmp_path / "config.toml", values)
+    config = load_job_config(["--job.config_file", path, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"])
+    args = flavor_args("debug")
+    args.update_from_config(config)
+    moe = args.moe
+    assert (moe.bias_update_rate, moe.balance_loss, moe.balance_loss_coeff) == (0.0, "global_batch", 1e-3)
+
+
 def test_ep_must_divide_the_process_count(monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "6")
     path = debug_with(tmp_path, parallelism__expert_parallel_degree=4, dispatch__backend="all_to_all")

@@ -64,17 +64,19 @@ class Router:
     init_std: float = 0.02
     """Std of the gate's truncated-normal init. 0 reproduces a zero-initialized gate."""
 
-    bias_update_rate: float = 1e-3
-    """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off)."""
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off, the default:
+    Hugging Face's Qwen3-MoE has no expert bias, so a model trained with one does not export as trained)."""
 
-    balance_loss: Literal["none", "sequence", "micro_batch", "global_batch"] = "none"
+    balance_loss: Literal["none", "sequence", "micro_batch", "global_batch"] = "global_batch"
     """Load-balance loss sum_e f_e P_e (1 when balanced), f and P counted per 'sequence' (DeepSeek-V3),
     per 'micro_batch' (Switch, GShard) or f over the 'global_batch' (Qwen3: all data-parallel ranks and
     the step's micro-batches so far, one all-reduce of E counts per layer)."""
 
-    balance_loss_coeff: float = 0.0
+    balance_loss_coeff: float = 1e-3
     """Each MoE layer adds coeff x its balance loss (Megatron-LM, DeepSeek-V3); > 0 exactly when
-    balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale."""
+    balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale. The
+    defaults (global_batch, 1e-3, no expert bias) are Qwen3's recipe, as the shipped configs train."""
 
     z_loss_coeff: float = 0.0
     """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE, OLMoE: 1e-3; 0: off)."""

@@ -11,8 +11,8 @@ For each EP degree (the first EP ranks of the launch form the group):
              ranks / time, against the NVLink per-direction limit (--link-gbs, 18 x 26.6 GB/s).
   + layout   DeepEP's dispatch as the forward runs it: layout, counts (the host sync), rows.
   layer path dispatch + combine forward + backward through each dispatcher (no expert GEMMs;
-             y = rows): AllToAllDispatcher, a per-expert-rows dispatcher built from the same ops,
-             DeepEPDispatcher.
+             y = rows): AllToAllDispatcher (exact and worst-case buffers), a per-expert-rows
+             dispatcher built from the same ops, DeepEPDispatcher, and at EP = 1 LocalDispatcher.
   --layer    also the whole MoE layer forward + backward (router, dispatch, the experts' GEMMs at
              --inter, combine; bf16, this rank's expert shard) through AllToAllDispatcher, and at
              EP = 1 through LocalDispatcher too: on one GPU (a one-rank group, the exchange a local

@@ -22,7 +22,9 @@ For each EP degree (the first EP ranks of the launch form the group):
              DIR/ep<EP>_<path>_rank<R>.json and prints rank 0's breakdown (torchtitan_moe.step_profile:
              GPU busy and idle, launches, host syncs, the top kernels): where a path's time goes.
 Times are medians over --iters iterations after --warmup, the max over ranks (the slowest rank
-sets the step). Routing: each token picks top_k distinct random experts.
+sets the step). The layer paths, host-bound, are timed in turn (tune_dispatch.timed_interleaved:
+their time drifts with the host's by tens of percent within one call), each DeepEP row beside the
+all_to_all path again, so the ratios compare like with like. Routing: each token picks top_k distinct random experts.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
 from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.router import count_tokens
 from torchtitan_moe.seam import Done, ExpertBatch, LocalDispatcher, Routing, slots_to_rows
-from torchtitan_moe.tune_dispatch import timed_ms
+from torchtitan_moe.tune_dispatch import timed_interleaved, timed_ms
 
 
 class PerExpertRowsDispatcher:
@@ -131,14 +133,20 @@ def bench_ep(ep: int, args, device) -> dict:
 
         return step
 
-    def path_ms(name: str, dispatcher) -> float:
-        step = layer_path(dispatcher)
-        ms = timed(step)
+    def paths_ms(steps: dict, traced: tuple[str, ...] | None = None) -> dict[str, float]:
+        """Layer paths timed in turn (timed_interleaved), then with --profile each of `traced`
+        (default: all) traced once."""
+        times = timed_interleaved(steps, group, args.warmup, args.iters)
         if args.profile:
-            result.setdefault("profiles", {})[name] = profiled(step, f"{args.profile}/ep{ep}_{name}_rank{rank}.json")
-        return ms
+            for name, step in steps.items():
+                if traced is not None and name not in traced:
+                    continue
+                trace = f"{args.profile}/ep{ep}_{name}_rank{rank}.json"
+                result.setdefault("profiles", {})[name] = profiled(step, trace)
+        return times
 
     result = {"ep": ep}
+    steps = {}
     for name, dispatcher in (
         ("per_rank", AllToAllDispatcher(args.experts, group, kernels=args.kernels)),
         ("per_expert", PerExpertRowsDispatcher(args.experts, group, args.kernels)),
@@ -155,19 +163,26 @@ def bench_ep(ep: int, args, device) -> dict:
             "exchange_ms": ms, "remote_GBps": gbps(remote, ms),
             "exchange_back_ms": back_ms, "remote_back_GBps": gbps(remote_back, back_ms),
             "remote_bytes": (remote, remote_back), "rows_sent": sum(send_rows),
-            "layer_path_ms": path_ms(name, dispatcher),
         }
+        steps[name] = layer_path(dispatcher)
     # Without the host sync: every rank sends T rows to every rank ([dispatch] buffers = "worst_case").
-    result["per_rank"]["worst_case_path_ms"] = path_ms(
-        "per_rank_worst_case", AllToAllDispatcher(args.experts, group, kernels=args.kernels, buffers="worst_case"))
+    steps["per_rank_worst_case"] = layer_path(
+        AllToAllDispatcher(args.experts, group, kernels=args.kernels, buffers="worst_case"))
     if ep == 1:  # nothing travels: the floor the exchanging dispatchers add to
-        result["local_path_ms"] = path_ms("local", LocalDispatcher(args.experts, kernels=args.kernels))
+        steps["local"] = layer_path(LocalDispatcher(args.experts, kernels=args.kernels))
+    times = paths_ms(steps)
+    for name in ("per_rank", "per_expert"):
+        result[name]["layer_path_ms"] = times[name]
+    result["per_rank"]["worst_case_path_ms"] = times["per_rank_worst_case"]
+    if ep == 1:
+        result["local_path_ms"] = times["local"]
 
     if args.layer:
-        dispatchers = {"all_to_all": lambda: AllToAllDispatcher(args.experts, group, align=8, kernels=args.kernels)}
+        dispatchers = {"all_to_all": AllToAllDispatcher(args.experts, group, align=8, kernels=args.kernels)}
         if ep == 1:
-            dispatchers["local"] = lambda: LocalDispatcher(args.experts, align=8, kernels=args.kernels)
-        result["layer_ms"] = {name: timed(moe_layer_step(make(), x, ep, me, args)) for name, make in dispatchers.items()}
+            dispatchers["local"] = LocalDispatcher(args.experts, align=8, kernels=args.kernels)
+        layer_steps = {name: moe_layer_step(d, x, ep, me, args) for name, d in dispatchers.items()}
+        result["layer_ms"] = timed_interleaved(layer_steps, group, args.warmup, args.iters)
 
     # DeepEP moves the same rows as ours (one per token and destination rank).
     remote, remote_back = result["per_rank"]["remote_bytes"]
@@ -181,12 +196,15 @@ def bench_ep(ep: int, args, device) -> dict:
         d = backend.dispatch(x, experts, probs, args.experts)
         dispatch_ms = timed(lambda: backend.dispatch_again(x, d.handle))  # noqa: B023
         combine_ms = timed(lambda: backend.combine(d.x, d.handle))  # noqa: B023
+        # Its path in turn with the all_to_all one (each DeepEP setting has its own buffers): the ratio holds.
+        both = paths_ms({name: layer_path(DeepEPDispatcher(args.experts, backend, kernels=args.kernels)),
+                         f"per_rank_beside_{name}": steps["per_rank"]}, traced=(name,))
         result[name] = {
             "settings": settings.describe(), "note": note,
             "dispatch_ms": dispatch_ms, "remote_GBps": gbps(remote, dispatch_ms),
             "dispatch_layout_ms": timed(lambda: backend.dispatch(x, experts, probs, args.experts)),  # noqa: B023
             "combine_ms": combine_ms, "remote_back_GBps": gbps(remote_back, combine_ms),
-            "layer_path_ms": path_ms(name, DeepEPDispatcher(args.experts, backend, kernels=args.kernels)),
+            "layer_path_ms": both[name], "all_to_all_path_ms": both[f"per_rank_beside_{name}"],
         }
     release_buffers(group)
     return result
@@ -282,7 +300,7 @@ def print_tables(results: list[dict], args, name: str) -> None:
             print(f"| {r['ep']} | {key} | {d['settings']} | {d['dispatch_ms'] * 1e3:.0f} | {d['remote_GBps']:.0f} | "
                   f"{pct(d['remote_GBps'])} | {d['dispatch_layout_ms'] * 1e3:.0f} | {d['combine_ms'] * 1e3:.0f} | "
                   f"{d['remote_back_GBps']:.0f} | {pct(d['remote_back_GBps'])} | {d['layer_path_ms'] * 1e3:.0f} | "
-                  f"{ours['layer_path_ms'] / d['layer_path_ms']:.2f}x |")
+                  f"{d['all_to_all_path_ms'] / d['layer_path_ms']:.2f}x |")
     print("\nlayer path (dispatch + combine, forward + backward, no GEMMs) per dispatcher; all_to_all worst_case: "
           "[dispatch] buffers = 'worst_case' (no host sync); local: EP = 1, nothing travels")
     print("| EP | all_to_all exact (us) | all_to_all worst_case (us) | per-expert rows (us) | local (us) |")

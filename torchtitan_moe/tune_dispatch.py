@@ -54,16 +54,12 @@ DISPATCH_CHUNKS = (4, 8, 16, 24, 32)
 COMBINE_CHUNKS = (2, 4, 8, 12, 16)
 
 
-def timed_ms(fn, group, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn() on this rank over `iters` runs after `warmup`, each run
-    started together on every rank of `group`; the maximum of the ranks' medians."""
-    cuda = torch.cuda.is_available()
-    for _ in range(warmup):
-        fn()
+def _run_ms(fn, group, runs: int) -> list[float]:
+    """Milliseconds of each of `runs` calls of fn(), each started together on every rank of `group`."""
     times = []
-    for _ in range(iters):
+    for _ in range(runs):
         dist.barrier(group=group)
-        if cuda:
+        if torch.cuda.is_available():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -74,9 +70,36 @@ def timed_ms(fn, group, warmup: int, iters: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    median = torch.tensor(statistics.median(times), dtype=torch.float64, device="cuda" if cuda else "cpu")
-    dist.all_reduce(median, op=dist.ReduceOp.MAX, group=group)
-    return float(median)
+    return times
+
+
+def _max_over_ranks(value: float, group) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def timed_ms(fn, group, warmup: int, iters: int) -> float:
+    """Median milliseconds of fn() on this rank over `iters` runs after `warmup`, each run
+    started together on every rank of `group`; the maximum of the ranks' medians."""
+    for _ in range(warmup):
+        fn()
+    return _max_over_ranks(statistics.median(_run_ms(fn, group, iters)), group)
+
+
+def timed_interleaved(fns: dict, group, warmup: int, iters: int, rounds: int = 5) -> dict[str, float]:
+    """timed_ms of each fn, its `iters` runs spread over `rounds` rounds that take the fns in turn
+    (every other round in reverse): a host-bound fn's time drifts with the host by tens of percent
+    within one call, and interleaving makes every fn see the same drift, so their ratios hold."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            times[name] += _run_ms(fns[name], group, max(1, iters // rounds))
+    return {name: _max_over_ranks(statistics.median(t), group) for name, t in times.items()}
 
 
 class Progress:

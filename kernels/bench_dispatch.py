@@ -53,7 +53,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
 from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.router import count_tokens
 from torchtitan_moe.seam import Done, ExpertBatch, LocalDispatcher, Routing, slots_to_rows
-from torchtitan_moe.tune_dispatch import timed_interleaved, timed_ms
+from torchtitan_moe.tune_dispatch import max_over_ranks, timed_interleaved, timed_ms
 
 
 class PerExpertRowsDispatcher:
@@ -98,12 +98,6 @@ def random_routing(tokens: int, num_experts: int, top_k: int, device) -> Routing
     experts = torch.rand(tokens, num_experts, device=device).topk(top_k, dim=1).indices
     probs = torch.rand(tokens, top_k, device=device).softmax(-1).requires_grad_()
     return Routing(probs, experts, count_tokens(experts, num_experts), None, None)
-
-
-def max_over(value: float, group) -> float:
-    t = torch.tensor(value, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
 
 
 def gbps(nbytes: float, ms: float) -> float:
@@ -157,8 +151,8 @@ def bench_ep(ep: int, args, device) -> dict:
         recv = torch.empty(sum(recv_rows), args.dim, device=device, dtype=args.dtype)
         ms = timed(lambda: dist.all_to_all_single(recv, rows, recv_rows, send_rows, group=group))  # noqa: B023
         back_ms = timed(lambda: dist.all_to_all_single(rows, recv, send_rows, recv_rows, group=group))  # noqa: B023
-        remote = max_over((sum(send_rows) - send_rows[me]) * row_bytes, group)  # bytes to other ranks
-        remote_back = max_over((sum(recv_rows) - recv_rows[me]) * row_bytes, group)
+        remote = max_over_ranks((sum(send_rows) - send_rows[me]) * row_bytes, group)  # bytes to other ranks
+        remote_back = max_over_ranks((sum(recv_rows) - recv_rows[me]) * row_bytes, group)
         result[name] = {
             "exchange_ms": ms, "remote_GBps": gbps(remote, ms),
             "exchange_back_ms": back_ms, "remote_back_GBps": gbps(remote_back, back_ms),

@@ -73,7 +73,8 @@ def _run_ms(fn, group, runs: int) -> list[float]:
     return times
 
 
-def _max_over_ranks(value: float, group) -> float:
+def max_over_ranks(value: float, group) -> float:
+    """The largest of the ranks' values (the slowest rank sets the step)."""
     t = torch.tensor(value, dtype=torch.float64, device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
@@ -84,7 +85,7 @@ def timed_ms(fn, group, warmup: int, iters: int) -> float:
     started together on every rank of `group`; the maximum of the ranks' medians."""
     for _ in range(warmup):
         fn()
-    return _max_over_ranks(statistics.median(_run_ms(fn, group, iters)), group)
+    return max_over_ranks(statistics.median(_run_ms(fn, group, iters)), group)
 
 
 def timed_interleaved(fns: dict, group, warmup: int, iters: int, rounds: int = 5) -> dict[str, float]:
@@ -99,7 +100,7 @@ def timed_interleaved(fns: dict, group, warmup: int, iters: int, rounds: int = 5
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             times[name] += _run_ms(fns[name], group, max(1, iters // rounds))
-    return {name: _max_over_ranks(statistics.median(t), group) for name, t in times.items()}
+    return {name: max_over_ranks(statistics.median(t), group) for name, t in times.items()}
 
 
 class Progress:

@@ -23,13 +23,14 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from spawn_ranks import torchrun_plan  # noqa: E402
 
-from torchtitan_moe import parity  # noqa: E402
+from torchtitan_moe import parity_report  # noqa: E402
+from torchtitan_moe.parity import split_overrides  # noqa: E402
 
 COMMON = ["--router.balance_loss", "global_batch", "--router.balance_loss_coeff", "0.01", "--checks.init_fingerprint"]
 
 
 def main(argv: list[str]) -> int:
-    argv, extra = parity.split_overrides(argv)
+    argv, extra = split_overrides(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=20)
@@ -44,10 +45,10 @@ def main(argv: list[str]) -> int:
 
     torchrun_plan([run(out / "replicate2", "--parallelism.data_parallel_replicate_degree", "2")], out, nproc=2)
     torchrun_plan([{**run(out / "one" / "run"), "data_of_ranks": 2}], out / "one", nproc=1)
-    one, two = parity.read_metrics(out / "one" / "run"), parity.read_metrics(out / "replicate2")
-    start = parity.fingerprint_difference(parity.read_fingerprint(out / "one" / "run"),
-                                          parity.read_fingerprint(out / "replicate2"))
-    c = parity.compare("replicate 2 x EP 1, 2 GPUs", one, two)
+    one, two = parity_report.read_metrics(out / "one" / "run"), parity_report.read_metrics(out / "replicate2")
+    start = parity_report.fingerprint_difference(parity_report.read_fingerprint(out / "one" / "run"),
+                                                 parity_report.read_fingerprint(out / "replicate2"))
+    c = parity_report.compare("replicate 2 x EP 1, 2 GPUs", one, two)
     report = (f"replicate 2 x EP 1 on 2 GPUs against 1 GPU reading both ranks' batches, {args.steps} steps\n\n"
               f"| | max relative difference |\n|---|---|\n| loss | {c.loss:.2e} |\n| grad norm | {c.grad_norm:.2e} |\n"
               f"| aux loss | {c.aux_loss:.2e} |\n| expert load share (abs) | {c.load:.2e} |\n\n"

@@ -23,7 +23,7 @@ import pytest
 import torch
 from spawn_ranks import torchrun_plan
 
-from torchtitan_moe import parity
+from torchtitan_moe import parity_report
 
 pytestmark = [
     pytest.mark.slow,
@@ -65,8 +65,8 @@ def runs(tmp_path_factory) -> Path:
     return out
 
 
-def assert_within(name: str, base: list[dict], other: list[dict], grad_rtol: float = 1e-5) -> parity.Comparison:
-    c = parity.compare(name, base, other)
+def assert_within(name: str, base: list[dict], other: list[dict], grad_rtol: float = 1e-5) -> parity_report.Comparison:
+    c = parity_report.compare(name, base, other)
     assert c.ok(1e-5, grad_rtol), (name, c)
     return c
 
@@ -81,21 +81,21 @@ ONE_PROCESS_GRAD_RTOL = 3e-5
 @pytest.mark.parametrize("folder", ["hsdp", "hsdp_ac", "replicate4"])
 def test_hsdp_ep2_equals_one_process_over_all_replicas_tokens(runs, folder):
     """replicate4: replication only (4 x shard 1, EP 1: FSDP2 on a shard group of one is DDP)."""
-    one, hsdp = parity.read_metrics(runs / "one" / "run"), parity.read_metrics(runs / folder)
+    one, hsdp = parity_report.read_metrics(runs / "one" / "run"), parity_report.read_metrics(runs / folder)
     assert [r["step"] for r in hsdp] == list(range(1, STEPS + 1))
-    assert parity.fingerprint_difference(parity.read_fingerprint(runs / "one" / "run"),
-                                         parity.read_fingerprint(runs / folder)) is None
+    assert parity_report.fingerprint_difference(parity_report.read_fingerprint(runs / "one" / "run"),
+                                                parity_report.read_fingerprint(runs / folder)) is None
     assert_within(folder, one, hsdp, ONE_PROCESS_GRAD_RTOL)
     assert hsdp[-1]["loss"] < hsdp[0]["loss"] - 1  # it learns
 
 
 def test_activation_checkpointing_under_hsdp_changes_nothing(runs):
-    c = parity.compare("hsdp_ac", parity.read_metrics(runs / "hsdp"), parity.read_metrics(runs / "hsdp_ac"))
+    c = parity_report.compare("hsdp_ac", parity_report.read_metrics(runs / "hsdp"), parity_report.read_metrics(runs / "hsdp_ac"))
     assert c.loss_bitwise and c.grad_norm == 0 and c.load == 0, c
 
 
 def test_balance_loss_and_bias_update_count_every_replica(runs):
-    one, hsdp = parity.read_metrics(runs / "one" / "run"), parity.read_metrics(runs / "hsdp")
+    one, hsdp = parity_report.read_metrics(runs / "one" / "run"), parity_report.read_metrics(runs / "hsdp")
     for a, b in zip(one, hsdp):
         # the loads the expert-bias update reads: all 4 x 2 x 64 tokens x top-2 per layer
         assert b["moe/tokens_per_expert"] == a["moe/tokens_per_expert"], b["step"]
@@ -104,8 +104,8 @@ def test_balance_loss_and_bias_update_count_every_replica(runs):
 
 
 def test_a_checkpoint_saved_under_hsdp_resumes_under_fsdp_and_ep1(runs):
-    straight = [r for r in parity.read_metrics(runs / "hsdp") if r["step"] > SAVED]
-    resumed = {name: parity.read_metrics(runs / f"resume{i}") for i, name in enumerate(RESUMES)}
+    straight = [r for r in parity_report.read_metrics(runs / "hsdp") if r["step"] > SAVED]
+    resumed = {name: parity_report.read_metrics(runs / f"resume{i}") for i, name in enumerate(RESUMES)}
     for name, recs in resumed.items():
         assert [r["step"] for r in recs] == list(range(SAVED + 1, STEPS + 1)), name
     assert_within("same layout", straight, resumed["same layout"])

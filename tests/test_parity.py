@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from torchtitan_moe import parity
-from torchtitan_moe.parity import compare, main, settings_from
+from torchtitan_moe.parity import main, settings_from
+from torchtitan_moe.parity_report import compare
 
 ROOT = Path(__file__).resolve().parents[1]
 

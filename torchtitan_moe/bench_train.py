@@ -37,7 +37,8 @@ from pathlib import Path
 import torch
 
 from torchtitan_moe import step_profile
-from torchtitan_moe.parity import log_tail, read_metrics, run_training, split_overrides
+from torchtitan_moe.parity import log_tail, run_training, split_overrides
+from torchtitan_moe.parity_report import read_metrics
 
 MODELS = ("torchtitan", "local", "all_to_all", "deepep")
 ROUTERS = ("learned", "balanced")

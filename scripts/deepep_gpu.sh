@@ -6,7 +6,8 @@
 #   tune    tune_dispatch at 30b-a3b-8l shapes, local batch BATCHES (8192, 16384 tokens/rank)   -> OUT/tune_b*.md, dispatch.json
 #   bench   kernels/bench_dispatch.py at EP = 2 with DeepEP default and tuned rows             -> OUT/bench.md, bench.json
 #   train   30b-a3b-8l, EP = 2, 20 steps, all_to_all vs deepep (tuned), local batch BATCHES    -> OUT/training.md
-#   parity  200 steps bf16 at seq 1024, all_to_all vs deepep, loss 1% / grad norm 5% (--seed init: no checkpoint) -> OUT/parity.md, parity.png
+#   parity  200 steps bf16 at seq 1024, all_to_all vs deepep, each twice (monitors every 10 or 7 steps, which changes no
+#           number: all_to_all's second run is the run-to-run control), loss 1% / grad norm 5% (--seed init) -> OUT/parity.md, parity.png
 # STAGES (default "build test tune bench train"; parity only when named) splits the work over calls:
 # each stage fits in a few minutes. The build and the tuned file (WORK/dispatch.json, or TUNED=FILE)
 # stay in WORK (default /tmp/deepep_gpu) for later calls on the same machine. Logs: OUT/logs.tar.gz.
@@ -102,7 +103,8 @@ fi
 
 if has parity; then
     echo "== parity"
-    "$py" -m torchtitan_moe.parity "$config" --vary dispatch.backend=all_to_all,deepep --steps 200 --nproc 2 --seed init \
+    "$py" -m torchtitan_moe.parity "$config" --vary dispatch.backend=all_to_all,deepep \
+        --vary checks.monitor_freq=10,7 --steps 200 --nproc 2 --seed init \
         --loss-rtol 0.01 --grad-rtol 0.05 --out "$work/parity" -- --parallelism.expert_parallel_degree 2 \
         --training.seq_len 1024 $(tuned_flag) --metrics.log_freq 1 > "$work/logs/parity.log" 2>&1
     echo "parity exit status: $?" >> "$work/logs/parity.log"

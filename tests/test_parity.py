@@ -9,7 +9,7 @@ import torch
 
 from torchtitan_moe import parity
 from torchtitan_moe.parity import main, settings_from
-from torchtitan_moe.parity_report import compare
+from torchtitan_moe.parity_report import compare, drift
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,6 +27,20 @@ def test_doubled_gradients_are_outside_tolerance():
     assert result.grad_norm == pytest.approx(0.5) and not result.ok(1e-5, 1e-5)
     same = compare("ep=2", base, copy.deepcopy(base))
     assert same.ok(1e-5, 1e-5) and same.loss_bitwise and same.load == 0
+
+
+def test_drift_table_puts_each_difference_in_its_window():
+    steps = 30
+    base = records([10.0 - 0.1 * i for i in range(steps)], [1.0] * steps)
+    control = copy.deepcopy(base)
+    control[26]["grad_norm"] = 1.08  # step 27: the grad norm 8% apart (relative to the larger, 1.08)
+    other = copy.deepcopy(base)
+    other[3]["loss"] *= 1.02  # step 4: the loss 2% apart
+    rows = drift(["first", "control", "other"], [base, control, other], 0.01, 0.05).splitlines()[2:]
+    assert len(rows) == 2  # steps 1-25 and 26-30
+    first, second = ([c.strip() for c in row.strip("|").split("|")] for row in rows)
+    assert first == ["1-25", "0.00% / 0.0% / 0", "1.96% / 0.0% / 1"]
+    assert second == ["26-30", "0.00% / 7.4% / 1", "0.00% / 0.0% / 0"]
 
 
 def test_settings_are_the_product_of_the_varied_values():

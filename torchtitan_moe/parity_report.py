@@ -2,7 +2,7 @@
 
     runs = [read_metrics(dump) for dump in dumps]          # metrics.jsonl of each run
     c    = compare(name, runs[0], run)                     # max relative differences over the steps
-    table(names, runs, comparisons, args)                  # per-step markdown table, the verdicts, speed
+    table(names, runs, comparisons, args)                  # per-step markdown table, the verdicts, drift by window, speed
     plot(names, runs, path)                                # loss, grad norm, relative differences
     attribution(names, runs)                               # losses at step 30 and at the end
 
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 SPEED_WARMUP = 5  # steps left out of the speed summary (compilation, allocator warm-up)
+WINDOW = 25  # steps per row of the drift table
 
 
 def read_metrics(dump: Path) -> list[dict]:
@@ -67,6 +68,26 @@ def compare(name: str, base: list[dict], other: list[dict]) -> Comparison:
     )
 
 
+def drift(names: list[str], runs: list[list[dict]], loss_rtol: float, grad_rtol: float, width: int = WINDOW) -> str:
+    """Per window of `width` steps, each setting against the first: max relative loss and grad-norm
+    differences and the steps outside either tolerance. bf16 runs drift apart once a routing decision
+    flips (a loss spike): where a setting equal in maths to the first is among them, its row is the
+    run-to-run spread the others can be read against, window by window."""
+    head = ["steps"] + [f"{n}: loss / grad norm / steps outside" for n in names[1:]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    steps = [r["step"] for r in runs[0]]
+    for lo in range(0, len(steps), width):
+        cells = [f"{steps[lo]}-{steps[min(lo + width, len(steps)) - 1]}"]
+        for run in runs[1:]:
+            pairs = list(zip(runs[0][lo : lo + width], run[lo : lo + width]))
+            loss = [rel_diff(a["loss"], b["loss"]) for a, b in pairs]
+            grad = [rel_diff(a["grad_norm"], b["grad_norm"]) for a, b in pairs]
+            outside = sum(l > loss_rtol or g > grad_rtol for l, g in zip(loss, grad))
+            cells.append(f"{max(loss):.2%} / {max(grad):.1%} / {outside}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _steps(run: list[dict]) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"]) for r in run]
 
@@ -109,6 +130,9 @@ def table(names: list[str], runs: list[list[dict]], comparisons: list[Comparison
         verdict = ("ok" if c.ok(args.loss_rtol, args.grad_rtol) else "OUTSIDE TOLERANCE") if check else "(attribution)"
         lines.append(f"| {c.name} | {c.loss:.2e} | {c.grad_norm:.2e} | {aux} | {c.load:.2e} | "
                      f"{'=' if c.loss_bitwise else 'no'} | {verdict} |")
+    if len(runs) > 1:
+        lines += ["", f"by window, against {names[0]} (a setting equal to it in maths shows the run-to-run spread):", "",
+                  drift(names, runs, args.loss_rtol, args.grad_rtol)]
     lines += ["", f"speed, median of steps after {SPEED_WARMUP} (bench_train is the benchmark):", "",
               "| setting | tokens/s/GPU | peak memory GiB |", "|---|---|---|"]
     for name, run in zip(names, runs):

@@ -17,8 +17,8 @@
    and writes a fingerprint of its starting weights, which must equal the first setting's.
 3. A per-step table of loss, grad norm, aux loss and expert load, the max relative
    differences to the first setting (over the run, and by window of 25 steps: a setting equal
-   to the first in maths shows the run-to-run spread to read the others against), a PNG plot and `parity.md` go to --out; the exit status
-   is 1 when a difference is outside the tolerance.
+   to the first in maths shows the run-to-run spread to read the others against), a PNG plot
+   and `parity.md` go to --out; the exit status is 1 when a difference is outside the tolerance.
 
 `--against torchtitan` trains torchtitan 0.2.2's own Qwen3-MoE from our init (`[model] init_from`)
 and ours switched to its behaviour (AS_TORCHTITAN): loss within 1% and grad norm within 5% at

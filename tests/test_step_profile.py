@@ -70,6 +70,45 @@ def test_breakdown_of_a_crafted_trace(tmp_path):
     assert "| sm90_xmma_gemm_bf16bf16_bf16f32 | GEMM | 0.150 | 0.5 |" in top
 
 
+def test_idle_gaps_go_to_the_host_op_that_launched_the_work_ending_them(tmp_path):
+    """One step of 1000 µs. Main thread: aten::mm (40-70) launches K1 (100-300); the optimizer (600-900)
+    runs aten::empty (610-620), then launches K4 itself at 630 (850-860) and from aten::_fused_adamw_
+    (650-700) K3 (750-800); a stream sync returns at 520. Autograd thread: MmBackward0's aten::mm
+    launches K2 (350-500). Gaps: 0-100 (K1), 300-350 (K2), 500-750 (K3, after the sync), 800-850 (K4),
+    860-1000 (the step's end): 590 µs, the step's idle time."""
+    main, autograd = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
+
+    def launch(t, corr, thread):
+        return event("cudaLaunchKernel", "cuda_runtime", t, 5, args={"correlation": corr}, **thread)
+
+    def kernel(name, ts, dur, corr):
+        return event(name, "kernel", ts, dur, pid=0, tid=7, args={"correlation": corr})
+
+    events = [
+        event("ProfilerStep#4", "user_annotation", 0, 1000, **main),
+        event("aten::mm", "cpu_op", 40, 30, **main), launch(50, 1, main), kernel("k1", 100, 200, 1),
+        event("autograd::engine::evaluate_function: MmBackward0", "cpu_op", 310, 90, **autograd),
+        event("aten::mm", "cpu_op", 320, 70, **autograd), launch(330, 2, autograd), kernel("k2", 350, 150, 2),
+        event("cudaStreamSynchronize", "cuda_runtime", 500, 20, **main),
+        event("Optimizer.step#AdamW.step", "user_annotation", 600, 300, **main),
+        event("aten::empty", "cpu_op", 610, 10, **main), launch(630, 4, main), kernel("k4", 850, 10, 4),
+        event("aten::_fused_adamw_", "cpu_op", 650, 50, **main), launch(660, 3, main), kernel("k3", 750, 50, 3),
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    result = step_profile.breakdown(step_profile.load(tmp_path / "t.json"))
+    idle = {(r["host_op"], r["launch_op"], r["after_sync"]): (round(r["ms"] * 1e3), r["gaps"]) for r in result["idle"]}
+    assert idle == {
+        ("aten::mm", "aten::mm", False): (100, 1),
+        ("autograd::engine::evaluate_function: MmBackward0", "aten::mm", False): (50, 1),
+        ("Optimizer.step#AdamW.step", "aten::_fused_adamw_", True): (250, 1),
+        ("Optimizer.step#AdamW.step", "Optimizer.step#AdamW.step", False): (50, 1),
+        ("(the step's end: no GPU work left)", "-", False): (140, 1),
+    }
+    assert sum(ms for ms, _ in idle.values()) / 1e3 == pytest.approx(result["steps"][0]["gpu_idle_ms"])
+    table = step_profile.render(result)
+    assert table.index("| Optimizer.step#AdamW.step | aten::_fused_adamw_ | yes | 0.25 | 1.0 |") < table.index("| aten::mm | aten::mm |")
+
+
 def test_a_trace_without_steps_or_unreadable_is_refused_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"traceEvents": [event("aten::mm", "cpu_op", 0, 1)]}))

@@ -15,7 +15,10 @@ ProfilerStep#N is training step N + 1) and their mean, it prints:
              blocking cudaMemcpy), their count and the host time spent in them
 
 then the kernels with the most GPU time per step, each with its class (GEMM, NCCL, Triton ours,
-Triton compiled, elementwise/copy, other), and the GPU time per class. A step's GPU work is taken to
+Triton compiled, elementwise/copy, other), the GPU time per class, and where the idle time goes: each
+gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
+that thread and the op that launched; "after a sync" where the host had just waited for the GPU, so
+the gap is its time to launch again). A step's GPU work is taken to
 lie inside its host range, which holds when the step ends in a host sync (torchtitan's does when it
 logs the loss every step, as bench_train asks).
 """
@@ -23,6 +26,7 @@ logs the loss every step, as bench_train asks).
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import re
 import statistics
@@ -36,6 +40,7 @@ HOST_CATEGORIES = ("cuda_runtime", "cuda_driver")
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
          "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
 LAUNCHES = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchCooperativeKernel")
+HOST_OPS = ("cpu_op", "user_annotation")  # what a host thread was doing, nested by time
 STEP = re.compile(r"ProfilerStep#(\d+)")
 
 
@@ -45,6 +50,33 @@ class Event:
     cat: str
     start: float  # µs
     end: float
+    thread: tuple = ()  # (pid, tid): a host thread's events nest; a GPU event's tid is its stream
+    correlation: int | None = None  # a GPU event's and the runtime call's that launched it
+
+
+class Nesting:
+    """One host thread's ops nested by time: `around(t)` lists the ops running at t, outermost first."""
+
+    def __init__(self, ops: list[Event]):
+        self.ops = sorted(ops, key=lambda e: (e.start, -e.end))
+        self.starts = [e.start for e in self.ops]
+        self.parent, stack = [], []
+        for i, e in enumerate(self.ops):
+            while stack and not self.ops[stack[-1]].end >= e.end:
+                stack.pop()
+            self.parent.append(stack[-1] if stack else -1)
+            stack.append(i)
+
+    def around(self, t: float) -> list[Event]:
+        # The last op to start by t is inside every op that started earlier and holds t: walk up.
+        i = bisect.bisect_right(self.starts, t) - 1
+        while i >= 0 and self.ops[i].end < t:
+            i = self.parent[i]
+        chain = []
+        while i >= 0:
+            chain.append(self.ops[i])
+            i = self.parent[i]
+        return chain[::-1]
 
 
 def load(path: str | Path) -> list[Event]:
@@ -54,7 +86,8 @@ def load(path: str | Path) -> list[Event]:
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"step_profile: cannot read {path} as a chrome trace: {e}") from e
     raw = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    return [Event(e["name"], e.get("cat", ""), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+    return [Event(e["name"], e.get("cat", ""), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
+                  (e.get("pid"), e.get("tid")), (e.get("args") or {}).get("correlation"))
             for e in raw if e.get("ph") == "X" and "ts" in e and "name" in e]
 
 
@@ -114,7 +147,46 @@ def breakdown(events: list[Event]) -> dict:
     for k in per_step.values():
         classes[k["class"]] += k["ms"]
     mean = {key: statistics.mean(r[key] for r in rows) for key in rows[0] if key != "step"}
-    return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes)}
+    idle = [{**dict(zip(("host_op", "launch_op", "after_sync"), key)), "ms": ms / n, "gaps": count / n}
+            for key, (ms, count) in idle_by_host_op(events, steps, gpu, host).items()]
+    idle.sort(key=lambda r: -r["ms"])
+    return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle}
+
+
+def idle_by_host_op(events: list[Event], steps: list[Event], gpu: list[Event], host: list[Event]) -> dict:
+    """{(outermost host op, launching op, after a sync): [idle µs, gaps]} over the steps: each gap in
+    the union of GPU work inside a step goes to the launch of the GPU event that ends it."""
+    threads = defaultdict(list)
+    for e in events:
+        if e.cat in HOST_OPS and not STEP.fullmatch(e.name):
+            threads[e.thread].append(e)
+    nesting = {thread: Nesting(ops) for thread, ops in threads.items()}
+    launched_by = {e.correlation: e for e in host if e.correlation is not None}
+    sync_ends = sorted(e.end for e in host if e.name in SYNCS)
+    totals = defaultdict(lambda: [0.0, 0])
+
+    def add(key, start, end):
+        totals[key][0] += (end - start) / 1e3
+        totals[key][1] += 1
+
+    for step in steps:
+        reach = step.start
+        for e in sorted((e for e in gpu if e.end > step.start and e.start < step.end), key=lambda e: e.start):
+            if e.start > reach:
+                synced = bisect.bisect_right(sync_ends, e.start) > bisect.bisect_left(sync_ends, reach)
+                add((*launcher(launched_by.get(e.correlation), nesting), synced), reach, e.start)
+            reach = max(reach, e.end)
+        if reach < step.end:
+            add(("(the step's end: no GPU work left)", "-", False), reach, step.end)
+    return dict(totals)
+
+
+def launcher(launch: Event | None, nesting: dict) -> tuple[str, str]:
+    """(outermost op, innermost op) on the host thread around a launch, or why there is none."""
+    if launch is None:
+        return "(no launch in the trace)", "-"
+    chain = nesting[launch.thread].around(launch.start) if launch.thread in nesting else []
+    return (chain[0].name, chain[-1].name) if chain else ("(no host op around the launch)", launch.name)
 
 
 def render(result: dict, top: int = 15) -> str:
@@ -136,6 +208,13 @@ def render(result: dict, top: int = 15) -> str:
     lines += ["", f"top {top} kernels:", "", "| kernel | class | ms per step | calls per step | share |", "|---|---|---|---|---|"]
     for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["ms"])[:top]:
         lines.append(f"| {name[:80]} | {k['class']} | {k['ms']:.3f} | {k['calls']:.1f} | {100 * k['ms'] / kernel_ms:.1f}% |")
+    if result.get("idle") and result["kernels"]:
+        lines += ["", "GPU idle per step by the host op that launched the work ending each gap (outermost op on its "
+                  "thread, the launching op; after a sync: the host had just waited for the GPU):", "",
+                  "| host op | launching op | after a sync | idle ms per step | gaps per step |", "|---|---|---|---|---|"]
+        for r in result["idle"][:top]:
+            lines.append(f"| {r['host_op'][:60]} | {r['launch_op'][:50]} | {'yes' if r['after_sync'] else 'no'} | "
+                         f"{r['ms']:.2f} | {r['gaps']:.1f} |")
     return "\n".join(lines)
 
 

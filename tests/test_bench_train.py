@@ -47,15 +47,16 @@ def test_loss_agreement_compares_compiled_with_eager_at_the_last_step_and_over_a
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run; GPU results are in the worklogs")
 def test_cpu_run_writes_the_table(tmp_path):
     code = main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager", "--routers",
-                 "learned", "--grad-accum", "1,2", "--steps", "4", "--warmup", "1", "--nproc", "2",
-                 "--out", str(tmp_path)])
+                 "learned", "--grad-accum", "1,2", "--vary", "kernels.backend=torch", "--steps", "4", "--warmup", "1",
+                 "--nproc", "2", "--out", str(tmp_path)])
     assert code == 0
     results = json.loads((tmp_path / "bench_train.json").read_text())
-    assert set(results) == {"ours/local learned eager", "ours/local learned eager accum 2"}
+    assert set(results) == {"ours/local learned eager kernels.backend=torch",
+                            "ours/local learned eager accum 2 kernels.backend=torch"}
     assert all(r["steps"] == 4 and r["tps"] > 0 for r in results.values())
-    assert "| ours/local learned eager accum 2 |" in (tmp_path / "bench_train.md").read_text()
+    assert "| ours/local learned eager accum 2 kernels.backend=torch |" in (tmp_path / "bench_train.md").read_text()
     # Accumulating 2 micro-batches: each step sees twice the tokens (2 x 8 x 128 x top-2 per rank and layer).
-    slug = "ours_local_learned_eager_accum_2"
+    slug = "ours_local_learned_eager_accum_2_kernels.backend_torch"
     records = [json.loads(line) for line in (tmp_path / slug / "metrics.jsonl").read_text().splitlines()]
     assert all(sum(layer) == 2 * 2 * 8 * 128 * 2 for layer in records[-1]["moe/tokens_per_expert"])
 
@@ -79,19 +80,31 @@ def test_plot_losses_labels_every_curve_and_gives_its_gap_to_the_first(tmp_path)
     assert "| ours compiled run 2 | 10 | 9.8000 | -2.00% | -0.17% |" in plot_losses["gaps"](runs)
 
 
-def test_overlap_adds_chunked_variants_of_our_ep_dispatchers_and_compares_them():
-    from torchtitan_moe.bench_train import overlap_gain, parse_args
+def test_vary_trains_each_combination_of_ours_and_compares_it_with_the_first():
+    from torchtitan_moe.bench_train import check_combinations, vary_combinations, vary_gain
 
-    v = Variant("all_to_all", "learned", "eager", overlap="chunks")
-    assert v.name == "ours/all_to_all learned eager overlap chunks"
-    assert v.overrides()[-3:] == ["--dispatch.overlap", "chunks", "--compile.no-enable"]
-    plain = Variant("all_to_all", "learned", "eager")
+    combos = vary_combinations(["dispatch.overlap=none,chunks", "optimizer.moments_dtype=bfloat16"])
+    assert combos == [(("dispatch.overlap", "none"), ("optimizer.moments_dtype", "bfloat16")),
+                      (("dispatch.overlap", "chunks"), ("optimizer.moments_dtype", "bfloat16"))]
+    assert vary_combinations([]) == [()]
+    first, chunks = combos
+    v = Variant("all_to_all", "learned", "eager", vary=chunks)
+    assert v.name == "ours/all_to_all learned eager dispatch.overlap=chunks optimizer.moments_dtype=bfloat16"
+    assert v.overrides()[-5:] == ["--dispatch.overlap", "chunks", "--optimizer.moments_dtype", "bfloat16",
+                                  "--compile.no-enable"]
+    plain = Variant("all_to_all", "learned", "eager", vary=first)
     tt = Variant("torchtitan", "learned", "eager")
     results = {plain.name: {"tps": 1000.0, "final_loss": 5.0}, v.name: {"tps": 1100.0, "final_loss": 5.0},
                tt.name: {"tps": 500.0, "final_loss": 6.0}}
-    assert overlap_gain([tt, plain, v], results) .endswith("| ours/all_to_all learned eager overlap chunks | 1,000 | "
-                                                           "1,100 | 1.100x | +0.00e+00 |")
+    gain = vary_gain([tt, plain, v], results, first)
+    assert gain.endswith(f"| {v.name} | 1,000 | 1,100 | 1.100x | +0.00e+00 |")
+    assert plain.name not in gain  # the first combination is the reference, not a row
     rows = table([tt, plain, v], {k: {**r, "tflops": 1.0, "memory_gib": 1.0} for k, r in results.items()})
-    assert "| 2.20x | - |" in rows  # against torchtitan's variant without overlap
-    with pytest.raises(SystemExit):
-        parse_args(["configs/debug.toml", "--overlap", "none,both"])
+    assert "| 2.20x | - |" in rows  # against torchtitan as configured
+    # A bad key or value stops before anything trains, naming it.
+    with pytest.raises(SystemExit, match=r"--vary dispatch.overlap=both: .*overlap must be 'none' \| 'chunks'"):
+        check_combinations("configs/debug.toml", [], vary_combinations(["dispatch.overlap=both"]), 1)
+    with pytest.raises(SystemExit, match="unknown key 'nokey'"):
+        check_combinations("configs/debug.toml", [], vary_combinations(["dispatch.nokey=1"]), 1)
+    with pytest.raises(SystemExit, match="expected section.key=value1,value2"):
+        vary_combinations(["overlap"])

@@ -2,20 +2,24 @@
 
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
-        [--modes eager,compiled] [--grad-accum 1,8] [--overlap none,chunks] [--profile] [--out DIR]
-        [-- --section.key value ...]
+        [--modes eager,compiled] [--grad-accum 1,8] [--vary section.key=v1,v2 ...] [--profile]
+        [--out DIR] [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
 one after the other on this node, from the same config and data, and prints one table:
 tokens/s/GPU (median of the steps after --warmup), TFLOP/s, MFU, peak memory and the final
 loss, with the ratios to torchtitan eager and compiled with the same router, measured in
-this run (`--overlap none,chunks` adds each of our EP > 1 dispatchers with [dispatch] overlap =
-"chunks", moe/chunks.py, next to the same variant without it); then, for each model and router run both ways, how far the compiled loss is from the
+this run; then, for each model and router run both ways, how far the compiled loss is from the
 eager one (at the last step, and over the last LOSS_WINDOW steps: compiling must not change
 training). Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
 the variants should train alike) to --out. A variant that fails is reported as failed, with
 its log, and the others still run. torchtitan's MoE runs on CUDA only.
+
+--vary section.key=v1,v2 (repeatable) trains each of our variants once per combination of the
+values (torchtitan's once, as configured) and adds a table of each combination against the first
+one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buffers=exact,worst_case`,
+`--vary optimizer.moments_dtype=float32,bfloat16`. Every combination is checked as a config first.
 
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
@@ -29,6 +33,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -37,13 +42,12 @@ from pathlib import Path
 import torch
 
 from torchtitan_moe import step_profile
-from torchtitan_moe.parity import log_tail, run_training, split_overrides
+from torchtitan_moe.parity import log_tail, override, run_training, settings_from, split_overrides
 from torchtitan_moe.parity_report import read_metrics
 
 MODELS = ("torchtitan", "local", "all_to_all", "deepep")
 ROUTERS = ("learned", "balanced")
 MODES = ("eager", "compiled")
-OVERLAPS = ("none", "chunks")  # [dispatch] overlap
 LOSS_WINDOW = 10  # steps averaged in the eager-vs-compiled loss comparison
 PROFILED_STEPS = 3  # traced at the end of a --profile run, after one warm-up step of the profiler
 
@@ -54,13 +58,13 @@ class Variant:
     router: str
     mode: str
     accum: int = 1  # micro-batches per optimizer step (gradient accumulation)
-    overlap: str = "none"  # [dispatch] overlap of our EP > 1 dispatchers
+    vary: tuple[tuple[str, str], ...] = ()  # ours only: (section.key, value) from --vary
 
     @property
     def name(self) -> str:
         model = "torchtitan" if self.model == "torchtitan" else f"ours/{self.model}"
-        overlap = f" overlap {self.overlap}" if self.overlap != "none" else ""
-        return f"{model} {self.router} {self.mode}" + (f" accum {self.accum}" if self.accum > 1 else "") + overlap
+        varied = "".join(f" {key}={value}" for key, value in self.vary)
+        return f"{model} {self.router} {self.mode}" + (f" accum {self.accum}" if self.accum > 1 else "") + varied
 
     def global_batch(self, local_batch: int, nproc: int) -> list[str]:
         """torchtitan's global batch for this variant's accumulation (every process is a data-parallel rank)."""
@@ -71,8 +75,8 @@ class Variant:
         args = ["--model.name", "qwen3_moe" if ours else "torchtitan_qwen3_moe"]
         if ours:
             args += ["--dispatch.backend", self.model]
-        if self.overlap != "none":
-            args += ["--dispatch.overlap", self.overlap]
+        for key, value in self.vary:
+            args += override(key, value)
         if self.router == "balanced":
             args += ["--router.force_balance"] if ours else ["--debug.moe_force_load_balance"]
         args += ["--compile.enable"] if self.mode == "compiled" else ["--compile.no-enable"]
@@ -126,28 +130,50 @@ def table(variants: list[Variant], results: dict[str, dict]) -> str:
         if "failed" in r:
             lines.append(f"| {v.name} | failed: {r['failed']} | | | | | | |")
             continue
-        eager = results.get(dataclasses.replace(v, model="torchtitan", mode="eager", overlap="none").name)
-        compiled = results.get(dataclasses.replace(v, model="torchtitan", mode="compiled", overlap="none").name)
+        eager = results.get(dataclasses.replace(v, model="torchtitan", mode="eager", vary=()).name)
+        compiled = results.get(dataclasses.replace(v, model="torchtitan", mode="compiled", vary=()).name)
         mfu = f"{r['mfu']:.1f}%" if "mfu" in r else "-"
         lines.append(f"| {v.name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {mfu} | {r['memory_gib']:.1f} | "
                      f"{r['final_loss']:.4f} | {ratio(r['tps'], eager)} | {ratio(r['tps'], compiled)} |")
     return "\n".join(lines)
 
 
-def overlap_gain(variants: list[Variant], results: dict[str, dict]) -> str:
-    """Each variant with [dispatch] overlap against the same variant without: tokens/s and final loss."""
+def vary_gain(variants: list[Variant], results: dict[str, dict], first: tuple[tuple[str, str], ...]) -> str:
+    """Each of our variants with another --vary combination against the same variant with the first
+    combination: tokens/s and final loss."""
     lines = []
     for v in variants:
-        plain = results.get(dataclasses.replace(v, overlap="none").name, {})
+        base = results.get(dataclasses.replace(v, vary=first).name, {})
         mine = results.get(v.name, {})
-        if v.overlap == "none" or "tps" not in plain or "tps" not in mine:
+        if not v.vary or v.vary == first or "tps" not in base or "tps" not in mine:
             continue
-        lines.append(f"| {v.name} | {plain['tps']:,.0f} | {mine['tps']:,.0f} | {mine['tps'] / plain['tps']:.3f}x | "
-                     f"{mine['final_loss'] - plain['final_loss']:+.2e} |")
+        lines.append(f"| {v.name} | {base['tps']:,.0f} | {mine['tps']:,.0f} | {mine['tps'] / base['tps']:.3f}x | "
+                     f"{mine['final_loss'] - base['final_loss']:+.2e} |")
     if not lines:
         return ""
-    return ("| variant | tokens/s/GPU, overlap none | with overlap | ratio | final loss - none's |\n"
+    described = " ".join(f"{key}={value}" for key, value in first)
+    return (f"| variant | tokens/s/GPU with {described} | this variant | ratio | final loss - that one's |\n"
             "|---|---|---|---|---|\n" + "\n".join(lines))
+
+
+def vary_combinations(varies: list[str]) -> list[tuple[tuple[str, str], ...]]:
+    """["a.b=1,2", "c.d=x"] -> [(("a.b", "1"), ("c.d", "x")), (("a.b", "2"), ("c.d", "x"))]; [] -> [()]."""
+    return [tuple(s.values) for s in settings_from(varies)]
+
+
+def check_combinations(config: str, extra: list[str], combinations: list, nproc: int) -> None:
+    """Each --vary combination as our model's config, before anything trains: a bad key or value
+    stops here in one line, naming it."""
+    from torchtitan_moe.config_loader import ConfigError, load_job_config
+
+    for vary in combinations:
+        if not vary:
+            continue
+        args = [arg for key, value in vary for arg in override(key, value)]
+        try:
+            load_job_config(["--job.config_file", config, "--model.name", "qwen3_moe", *args, *extra], world_size=nproc)
+        except ConfigError as e:
+            raise SystemExit(f"bench_train: --vary {' '.join(f'{k}={v}' for k, v in vary)}: {e}") from None
 
 
 def loss_gap(base: list[float], other: list[float]) -> tuple[int, float, float]:
@@ -206,8 +232,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--modes", default="eager,compiled")
     parser.add_argument("--grad-accum", default="1",
                         help="comma list of micro-batches per step, e.g. 1,8 (global batch = local x processes x N)")
-    parser.add_argument("--overlap", default="none",
-                        help="comma list of none, chunks: [dispatch] overlap of our EP > 1 dispatchers")
+    parser.add_argument("--vary", action="append", default=[],
+                        help="section.key=v1,v2 (repeatable): our variants once per combination, e.g. dispatch.overlap=none,chunks")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)
@@ -218,7 +244,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.grad_accum = [0]
     if min(args.grad_accum) < 1:
         parser.error(f"--grad-accum {','.join(map(str, args.grad_accum))}: expected a comma list of integers >= 1")
-    for key, allowed in (("routers", ROUTERS), ("modes", MODES), ("models", MODELS), ("overlap", OVERLAPS)):
+    for key, allowed in (("routers", ROUTERS), ("modes", MODES), ("models", MODELS)):
         value = getattr(args, key)
         if value is not None and not set(value.split(",")) <= set(allowed):
             parser.error(f"--{key} {value}: expected a comma list of {', '.join(allowed)}")
@@ -242,14 +268,16 @@ def main(argv: list[str] | None = None) -> int:
     ep = config_value(args.config, args.extra, "parallelism.expert_parallel_degree", 1)
     local_batch = config_value(args.config, args.extra, "training.local_batch_size", 8)  # torchtitan's default
     models = args.models.split(",") if args.models else available_models(ep)
-    variants = [Variant(m, r, mode, n, o) for n in args.grad_accum for m in models for r in args.routers.split(",")
-                for mode in args.modes.split(",") for o in args.overlap.split(",")
-                if o == "none" or m in ("all_to_all", "deepep")]  # overlap: our exchanges between EP ranks
+    combinations = vary_combinations(args.vary)
+    check_combinations(args.config, args.extra, combinations, nproc)
+    variants = [Variant(m, r, mode, n, vary if m != "torchtitan" else ())
+                for n in args.grad_accum for m in models for r in args.routers.split(",")
+                for mode in args.modes.split(",") for vary in (combinations if m != "torchtitan" else [()])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     for i, v in enumerate(variants, 1):
-        slug = v.name.replace("/", "_").replace(" ", "_")
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", v.name)
         dump, log = out / slug, out / f"{slug}.log"
         (dump / "metrics.jsonl").unlink(missing_ok=True)
         print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes", flush=True)
@@ -268,9 +296,9 @@ def main(argv: list[str] | None = None) -> int:
 
     report = table(variants, results)
     agreement = loss_agreement(variants, results)
-    gain = overlap_gain(variants, results)
+    gain = vary_gain(variants, results, combinations[0])
     if gain:
-        report += "\n\n[dispatch] overlap against none, same run:\n\n" + gain
+        report += "\n\n--vary: each combination against the first, same run:\n\n" + gain
     if agreement:
         report += "\n\ncompiled against eager, same seed and tokens:\n\n" + agreement
     for v in variants if args.profile else []:

@@ -84,7 +84,7 @@ def settings_from(varies: list[str]) -> list[Setting]:
     for vary in varies:
         key, sep, values = vary.partition("=")
         if not sep or "." not in key or not values:
-            raise SystemExit(f"parity: --vary {vary!r}: expected section.key=value1,value2,...")
+            raise SystemExit(f"--vary {vary!r}: expected section.key=value1,value2,...")
         axes.append([(key, v) for v in values.split(",")])
     result = []
     for combo in itertools.product(*axes):

@@ -16,7 +16,7 @@ and the schedule is the plain one twice. Opt-in and NOT MEASURED at EP = 2 (no 2
 was written); on 2 GPUs this measures it, each variant with overlap against the same without:
 
     python -m torchtitan_moe.bench_train configs/qwen3_30b_a3b_8l.toml --models all_to_all,deepep \
-        --routers learned --modes eager,compiled --overlap none,chunks -- --parallelism.expert_parallel_degree 2
+        --routers learned --modes eager,compiled --vary dispatch.overlap=none,chunks -- --parallelism.expert_parallel_degree 2
 
 Same results as one chunk: the router, its losses and the layer's statistics see all T tokens
 (the caller counts them before calling here); each token's rows, expert outputs and sums are

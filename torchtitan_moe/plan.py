@@ -15,20 +15,23 @@ Memory, per GPU, from first principles (no term fitted to a measurement). It pre
                 [optimizer] moments_dtype = "bfloat16") per local parameter (all sharded by FSDP/HSDP)
     forward     bf16 compute copies of the weights (one process: autocast's copies of every matrix,
                 kept for the backward; FSDP2: two unsharded blocks in flight and the unsharded
-                output layer, which is not resharded after the forward), the activations each
+                output layer, which is not resharded after the forward; experts whose FSDP group
+                has one rank stay outside FSDP2 and are cast in their GEMM, one matrix at a time),
+                the activations each
                 layer keeps for its backward, the output layer's loss (ops.linear_cross_entropy:
                 the [N, V] bf16 logits overwritten by their gradient, and the gradients of h and of
                 the weight) and the dispatcher's send and receive rows for one layer
     staging     FSDP2's backward: a block's unsharded bf16 gradients and their fp32 copy for the
                 reduce-scatter, for two blocks (the previous reduce-scatter's input is kept until
-                the next one starts)
+                the next one starts); experts outside FSDP2: one matrix's bf16 weight gradient
 The gradients are counted next to the forward's peak, not instead of it: they are allocated in
 the backward at parameter shapes, which the freed activation blocks (other shapes, smaller) do not
 fit, and without `expandable_segments` the allocator keeps both sets of segments reserved from one
 step to the next. One exception, `reuse`: the segment the loss's logits free at the end of the
 forward takes the backward's first large allocations on the compute stream: on one process the
 gradients; under FSDP2 the staging (the gradients are the reduce-scatter's outputs there, allocated
-on its own stream, whose pool never takes a block the compute stream freed). DeepEP's NVLink
+on its own stream, whose pool never takes a block the compute stream freed), and the fp32 gradients
+of experts outside FSDP2 (made by their GEMM op, on the compute stream). DeepEP's NVLink
 buffer (cudaMalloc'd by DeepEP, outside torch's counters) is not counted.
 
 Exchange time: rows of D bf16 values, one per (token, destination rank) as both dispatchers send
@@ -222,13 +225,18 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
     T, D, V, K = run.tokens, shape.dim, shape.vocab, shape.top_k
     one_process = layout.world == 1
     local = shape.params / layout.shard  # FSDP/HSDP shard every parameter; EP x efsdp = shard for experts
-    block = shape.attention_params + 2 * D + shape.expert_params / layout.ep  # unsharded, bf16 under FSDP2
+    # The experts' FSDP group (efsdp, and the replicas under HSDP) has one rank: they stay outside FSDP2.
+    outside = not one_process and layout.replicate * (layout.shard // layout.ep) == 1
+    block = shape.attention_params + 2 * D + (0 if outside else shape.expert_params / layout.ep)  # unsharded
     if one_process:  # autocast's bf16 copies of every matrix but the embedding and the fp32 router
         copies = 2 * (shape.params - shape.vocab * D - shape.n_layers * (shape.experts * D + 2 * D) - D)
         staging = 0.0
     else:  # two unsharded blocks in flight (the router all-gathered in fp32), the output layer kept
         copies = 2 * (2 * block + 4 * shape.experts * D) + 2 * V * D
         staging = 2 * (2 + 4) * block  # bf16 gradients + their fp32 reduce-scatter input, two blocks
+        if outside:  # grouped_mm's bf16 cast of one fp32 weight (w13, the largest) and its bf16 gradient
+            w13 = 2 * (shape.experts // layout.ep) * 2 * shape.inter * D
+            copies, staging = copies + w13, staging + w13
     ep = layout.ep
     received = T * ranks_per_token(shape, ep) if ep > 1 else 0.0  # rows per (token, rank), per rank
     slots = T * K
@@ -244,7 +252,11 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
     logits = 2 * T * V  # bf16, overwritten by their gradient, freed at the end of the forward
     loss = logits + 2 * V * D + 2 * T * D  # + d weight, d h (bf16), kept for the backward
     dispatch = 2 * 2 * D * received  # one layer's send and receive rows (bf16) at a time
-    reuse = -min(logits, 4 * local if one_process else staging)
+    # The backward's first large allocations on the compute stream: one process, the gradients; FSDP2,
+    # its staging, and the fp32 gradients of experts outside it (their op makes them on that stream).
+    expert_grads = 4 * shape.n_layers * shape.expert_params / layout.ep if outside else 0.0
+    on_compute = 4 * local if one_process else staging + expert_grads
+    reuse = -min(logits, on_compute)
     return Memory(params=4 * local, grads=4 * local, optimizer=run.moments_bytes * local, compute_copies=copies,
                   activations=acts, loss=loss, dispatch=dispatch, staging=staging, reuse=reuse)
 

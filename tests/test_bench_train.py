@@ -108,3 +108,28 @@ def test_vary_trains_each_combination_of_ours_and_compares_it_with_the_first():
         check_combinations("configs/debug.toml", [], vary_combinations(["dispatch.nokey=1"]), 1)
     with pytest.raises(SystemExit, match="expected section.key=value1,value2"):
         vary_combinations(["overlap"])
+
+
+def test_log_freq_is_passed_to_every_run_and_the_medians_take_the_logged_steps(tmp_path, monkeypatch):
+    from torchtitan_moe import bench_train
+
+    seen = []
+
+    def fake_training(config, dump, overrides, nproc, log):
+        seen.append(overrides)
+        dump.mkdir(parents=True, exist_ok=True)
+        rows = [{"step": s, "loss": 10.0 - s / 10, "throughput(tps)": tps, "tflops": 1.0, "memory/max_reserved(GiB)": 1.0}
+                for s, tps in [(1, 1.0), (10, 100.0), (20, 300.0), (30, 200.0)]]  # logged every 10 steps
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return 0
+
+    monkeypatch.setattr(bench_train, "run_training", fake_training)
+    code = main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager", "--routers", "learned",
+                 "--steps", "30", "--warmup", "5", "--log-freq", "10", "--nproc", "1", "--out", str(tmp_path)])
+    assert code == 0 and seen
+    assert all(o[o.index("--metrics.log_freq") + 1] == "10" for o in seen)
+    results = json.loads((tmp_path / "bench_train.json").read_text())
+    assert results["ours/local learned eager"]["tps"] == 200.0  # median of steps 10, 20, 30 (after warmup 5)
+    for bad in (["--log-freq", "0"], ["--log-freq", "40"], ["--log-freq", "10", "--warmup", "30"]):
+        with pytest.raises(SystemExit):
+            bench_train.parse_args(["configs/debug.toml", "--steps", "30", *bad])

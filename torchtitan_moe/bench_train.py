@@ -2,13 +2,14 @@
 
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
-        [--modes eager,compiled] [--grad-accum 1,8] [--vary section.key=v1,v2 ...] [--profile]
-        [--out DIR] [-- --section.key value ...]
+        [--modes eager,compiled] [--grad-accum 1,8] [--vary section.key=v1,v2 ...] [--log-freq 1]
+        [--profile] [--out DIR] [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
 one after the other on this node, from the same config and data, and prints one table:
-tokens/s/GPU (median of the steps after --warmup), TFLOP/s, MFU, peak memory and the final
+tokens/s/GPU (median of the logged steps after --warmup; with --log-freq N each logged figure is the
+mean of the N steps before it), TFLOP/s, MFU, peak memory and the final
 loss, with the ratios to torchtitan eager and compiled with the same router, measured in
 this run; then, for each model and router run both ways, how far the compiled loss is from the
 eager one (at the last step, and over the last LOSS_WINDOW steps: compiling must not change
@@ -234,6 +235,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="comma list of micro-batches per step, e.g. 1,8 (global batch = local x processes x N)")
     parser.add_argument("--vary", action="append", default=[],
                         help="section.key=v1,v2 (repeatable): our variants once per combination, e.g. dispatch.overlap=none,chunks")
+    parser.add_argument("--log-freq", type=int, default=1,
+                        help="[metrics] log_freq: 1 logs every step, and each logged step reads its metrics back "
+                             "to the host (about 10 syncs); pretraining runs log every 10 or more")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)
@@ -244,6 +248,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.grad_accum = [0]
     if min(args.grad_accum) < 1:
         parser.error(f"--grad-accum {','.join(map(str, args.grad_accum))}: expected a comma list of integers >= 1")
+    if args.log_freq < 1 or args.steps // args.log_freq * args.log_freq <= args.warmup:
+        parser.error(f"--log-freq {args.log_freq}: must be >= 1 and log a step after --warmup {args.warmup} "
+                     f"within --steps {args.steps}")
     for key, allowed in (("routers", ROUTERS), ("modes", MODES), ("models", MODELS)):
         value = getattr(args, key)
         if value is not None and not set(value.split(",")) <= set(allowed):
@@ -282,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
         (dump / "metrics.jsonl").unlink(missing_ok=True)
         print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes", flush=True)
         overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
-                     "--metrics.log_freq", "1",
+                     "--metrics.log_freq", str(args.log_freq),
                      *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
         code = run_training(args.config, dump, overrides, nproc, log)
         if code != 0 or not (dump / "metrics.jsonl").exists():

@@ -9,11 +9,13 @@ at each num_sms (a fresh DeepEP buffer per value):
   (a) dispatch + combine, forward + backward, through the dispatcher API (no expert GEMMs);
       for DeepEP this picks the dispatch chunk size, then the combine chunk size;
   (b) the MoE layer forward + backward (router, dispatch, grouped experts, combine).
-It prints the table and writes into the tuned file (--out, default [dispatch] tuned_file) the
-DeepEP settings with the fastest (b) and which dispatcher was faster by (b); `[dispatch]
-backend = "deepep"` takes those settings and `"auto"` that choice. Times are medians over
---iters runs after --warmup, each run started on all ranks together (a barrier), timed with
-CUDA events, the slowest rank's median.
+Then (b) again for all_to_all and the DeepEP settings with the fastest (b), head to head: their
+runs taken in turn (timed_interleaved), since the sweep measured them minutes apart and a
+host-bound path drifts with the host by tens of percent within one call. It prints the table and
+writes into the tuned file (--out, default [dispatch] tuned_file) those DeepEP settings and which
+dispatcher was faster head to head; `[dispatch] backend = "deepep"` takes those settings and
+`"auto"` that choice. Times are medians over --iters runs after --warmup, each run started on all
+ranks together (a barrier), timed with CUDA events, the slowest rank's median.
 """
 
 from __future__ import annotations
@@ -220,8 +222,29 @@ class Sweep:
         self.rows.append({**{k: v for k, v in row.items() if k != "settings"}, **best.__dict__})
         return row
 
+    def head_to_head(self, best: DeepEPSettings) -> dict[str, float]:
+        """(b) of all_to_all and of DeepEP with `best`, their runs taken in turn."""
+        release_buffers(self.group)  # `best` may have another num_sms than the last buffer
+        dispatchers = {"all_to_all": AllToAllDispatcher(self.layer.num_experts, self.group, align=self.align,
+                                                        kernels=self.kernels),
+                       "deepep": DeepEPDispatcher(self.layer.num_experts, DeepEPV1(self.group, best, self.x.shape[1]),
+                                                  self.align, self.kernels)}
+        x, grad = self.x.unsqueeze(0), self.grad.unsqueeze(0)
 
-def report(shape: tuned.Shape, a2a: dict, deepep: list[dict], best: dict, path: str) -> str:
+        def step(dispatcher):
+            def run():
+                self.layer.set_dispatcher(dispatcher)
+                self.layer(x.detach().requires_grad_()).backward(grad)
+            return run
+
+        ms = timed_interleaved({name: step(d) for name, d in dispatchers.items()}, self.group, self.args.warmup,
+                               self.args.iters)
+        self.rows.append({"dispatcher": "head to head", **{f"{name}_layer_ms": v for name, v in ms.items()}})
+        self.progress.step("all_to_all against the best DeepEP (b), in turn")
+        return ms
+
+
+def report(shape: tuned.Shape, a2a: dict, deepep: list[dict], best: dict, final: dict[str, float], path: str) -> str:
     lines = [f"dispatch tuning: {shape.describe()}, bf16",
              "(a) dispatch + combine, forward + backward, through the dispatcher; (b) MoE layer forward + backward",
              "| dispatcher | num_sms | dispatch chunk | combine chunk | (a) ms | (b) ms | (b) all_to_all / this |",
@@ -232,9 +255,9 @@ def report(shape: tuned.Shape, a2a: dict, deepep: list[dict], best: dict, path: 
         lines.append(f"| deepep | {s.num_sms} | {s.dispatch_chunk} | {s.combine_chunk} | {row['dispatch_combine_ms']:.3f} "
                      f"| {row['layer_ms']:.3f} | {a2a['layer_ms'] / row['layer_ms']:.2f}x |")
     s = best["settings"]
-    winner = "deepep" if best["layer_ms"] < a2a["layer_ms"] else "all_to_all"
-    lines.append(f"faster by (b): {winner}; best DeepEP: {s.describe()}, MoE layer {best['layer_ms']:.3f} ms vs "
-                 f"all_to_all {a2a['layer_ms']:.3f} ms; wrote {path}")
+    winner = "deepep" if final["deepep"] < final["all_to_all"] else "all_to_all"
+    lines.append(f"faster by (b) head to head, in turn: {winner}; best DeepEP: {s.describe()}, MoE layer "
+                 f"{final['deepep']:.3f} ms vs all_to_all {final['all_to_all']:.3f} ms; wrote {path}")
     return "\n".join(lines)
 
 
@@ -272,7 +295,7 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
                               f"the GPU's {device_sms} SMs")
         per_sms = len(set(args.dispatch_chunks) | {default_settings(ep).dispatch_chunk}) + \
             len(set(args.combine_chunks) | {default_settings(ep).combine_chunk}) + 1
-        progress = Progress(2 + len(num_sms) * per_sms, enabled=rank == 0)
+        progress = Progress(3 + len(num_sms) * per_sms, enabled=rank == 0)
         torch.manual_seed(1000 + rank)  # other tokens on every rank
         x = torch.randn(tokens, model_args.dim, device=device, dtype=torch.bfloat16)
         sweep = Sweep(layer, x, group, args, progress)
@@ -280,6 +303,7 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
         a2a = sweep.all_to_all()
         deepep = [sweep.deepep(n) for n in num_sms]
         best = min(deepep, key=lambda row: row["layer_ms"])
+        final = sweep.head_to_head(best["settings"])
         path = args.out or config.dispatch.tuned_file or "tuned_dispatch.json"
         if rank == 0:
             try:
@@ -287,14 +311,14 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
             except importlib.metadata.PackageNotFoundError:
                 version = "unknown"
             entry = tuned.TunedEntry(
-                shape, "deepep" if best["layer_ms"] < a2a["layer_ms"] else "all_to_all", best["settings"],
-                layer_ms={"deepep": round(best["layer_ms"], 4), "all_to_all": round(a2a["layer_ms"], 4)},
+                shape, "deepep" if final["deepep"] < final["all_to_all"] else "all_to_all", best["settings"],
+                layer_ms={name: round(ms, 4) for name, ms in final.items()},
                 dispatch_combine_ms={"deepep": round(best["dispatch_combine_ms"], 4),
                                      "all_to_all": round(a2a["dispatch_combine_ms"], 4)},
                 extra={"deep_ep_version": version, "deep_ep_pinned": DEEPEP_COMMIT, "torch": torch.__version__,
                        "date": datetime.date.today().isoformat()})
             tuned.save(path, entry)
-            print(report(shape, a2a, deepep, best, path), flush=True)
+            print(report(shape, a2a, deepep, best, final, path), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"shape": shape.__dict__, "entry": entry.to_json(), "rows": sweep.rows}, f, indent=1,

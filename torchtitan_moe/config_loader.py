@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import sys
 
-from torchtitan_moe.config import ConfigError, check_cli_keys, check_semantics, check_structure
+from torchtitan_moe.config import ConfigError, check_semantics
+from torchtitan_moe.config_structure import check_cli_keys, check_structure
 from torchtitan_moe.config_torchtitan import check_tokenizer_file, check_torchtitan_keys
 from torchtitan_moe.torchtitan_compat import CUSTOM_CONFIG_MODULE, ConfigManager, merged_config_class
 

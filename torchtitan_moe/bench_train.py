@@ -24,8 +24,8 @@ one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buff
 
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
-breakdown to the report: GPU busy and idle, launches, host syncs, GPU time per kernel class and the
-top kernels (torchtitan_moe.step_profile).
+breakdown to the report: GPU busy and idle, launches, host syncs, GPU time per kernel class, the
+top kernels and the idle time by the host op behind each gap (torchtitan_moe.step_profile).
 """
 
 from __future__ import annotations
@@ -165,7 +165,8 @@ def vary_combinations(varies: list[str]) -> list[tuple[tuple[str, str], ...]]:
 def check_combinations(config: str, extra: list[str], combinations: list, nproc: int) -> None:
     """Each --vary combination as our model's config, before anything trains: a bad key or value
     stops here in one line, naming it."""
-    from torchtitan_moe.config_loader import ConfigError, load_job_config
+    from torchtitan_moe.config import ConfigError
+    from torchtitan_moe.config_loader import load_job_config
 
     for vary in combinations:
         if not vary:

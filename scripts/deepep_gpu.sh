@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # DeepEP on one node of 2 GPUs (H200s), the GPU work of issue 8:  bash scripts/deepep_gpu.sh OUT
-#   build   DeepEP from third_party/DeepEP into WORK/deep_ep (scripts/install_deepep.sh)     -> OUT/build.log
-#           (always done first when WORK has no build yet, whatever STAGES says)
-#   test    DeepEP's GPU tests (2 GPUs, real deep_ep) and the dispatcher-choice tests          -> OUT/tests.log
-#   tune    tune_dispatch at 30b-a3b-8l shapes, local batch BATCHES (8192, 16384 tokens/rank)   -> OUT/tune_b*.md, dispatch.json
+#   build   DeepEP from third_party/DeepEP into WORK/deep_ep (scripts/install_deepep.sh)     -> logs/build.log
+#           (always done first when WORK has no build yet, whatever STAGES says; OUT/build.log if it fails)
+#   test    DeepEP's GPU tests (2 GPUs, real deep_ep) and the dispatcher-choice tests          -> logs/tests.log
+#   tune    tune_dispatch at 30b-a3b-8l shapes, local batch BATCHES (8192, 16384 tokens/rank)   -> OUT/tune.md, dispatch.json
 #   bench   kernels/bench_dispatch.py at EP = 2 with DeepEP default and tuned rows             -> OUT/bench.md, bench.json
 #   train   30b-a3b-8l, EP = 2, 20 steps, all_to_all vs deepep (tuned), local batch BATCHES    -> OUT/training.md
 #   parity  200 steps bf16 at seq 1024, all_to_all vs deepep, each twice (monitors every 10 or 7 steps, which changes no
 #           number: all_to_all's second run is the run-to-run control), loss 1% / grad norm 5% (--seed init) -> OUT/parity.md, parity.png
 # STAGES (default "build test tune bench train"; parity only when named) splits the work over calls:
 # each stage fits in a few minutes. The build and the tuned file (WORK/dispatch.json, or TUNED=FILE)
-# stay in WORK (default /tmp/deepep_gpu) for later calls on the same machine. Logs: OUT/logs.tar.gz.
+# stay in WORK (default /tmp/deepep_gpu) for later calls on the same machine. Logs (logs/...): OUT/logs.tar.gz.
+# OUT gets at most 8 files (what a lent machine sends back).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 out=${1:-${OUT:?usage: scripts/deepep_gpu.sh OUT}}
@@ -32,27 +33,28 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 if has build || ! PYTHONPATH=$target "$py" -c "import deep_ep" 2>/dev/null; then
     echo "== build"
     rm -rf "$target"
-    DEEPEP_TARGET=$target PYTHON=$py bash scripts/install_deepep.sh third_party/DeepEP > "$out/build.log" 2>&1
+    DEEPEP_TARGET=$target PYTHON=$py bash scripts/install_deepep.sh third_party/DeepEP > "$work/logs/build.log" 2>&1
     code=$?
-    tail -n 3 "$out/build.log"
-    [ $code -eq 0 ] || { echo "build failed (exit $code), see build.log"; exit 1; }
+    tail -n 3 "$work/logs/build.log"
+    [ $code -eq 0 ] || { cp "$work/logs/build.log" "$out/"; echo "build failed (exit $code), see build.log"; exit 1; }
 fi
 
 if has test; then
     echo "== test"
-    "$py" -m pytest -q -p no:cacheprovider tests/test_deepep.py tests/test_dispatch_choice.py > "$out/tests.log" 2>&1
-    echo "tests exit status: $?" >> "$out/tests.log"
-    tail -n 4 "$out/tests.log"
+    "$py" -m pytest -q -p no:cacheprovider tests/test_deepep.py tests/test_dispatch_choice.py > "$work/logs/tests.log" 2>&1
+    echo "tests exit status: $?" >> "$work/logs/tests.log"
+    tail -n 4 "$work/logs/tests.log"
 fi
 
 if has tune; then
+    : > "$out/tune.md"
     for b in $batches; do
         echo "== tune, local batch $b"
         torchrun2 -m torchtitan_moe.tune_dispatch "$config" --training.local_batch_size "$b" --out "$tuned" \
-            --json "$out/tune_b$b.json" > "$work/logs/tune_b$b.log" 2>&1
+            --json "$work/logs/tune_b$b.json" > "$work/logs/tune_b$b.log" 2>&1
         echo "exit status: $?" >> "$work/logs/tune_b$b.log"
-        grep -E '^\||^dispatch tuning|^\(a\)|^faster|^tune_dispatch|exit status' "$work/logs/tune_b$b.log" > "$out/tune_b$b.md"
-        cat "$out/tune_b$b.md"
+        grep -E '^\||^dispatch tuning|^\(a\)|^faster|^tune_dispatch|exit status' "$work/logs/tune_b$b.log" > "$work/tune_b$b.md"
+        tee -a "$out/tune.md" < "$work/tune_b$b.md"
     done
     cp "$tuned" "$out/dispatch.json" 2>/dev/null
 fi

@@ -231,7 +231,7 @@ MUTATIONS = [
       "synced = bisect.bisect_right(sync_ends, e.start) > bisect.bisect_left(sync_ends, reach)", "synced = False",
       ("tests/test_step_profile.py", "-k", "idle")),
     M("bench_train: --vary values not passed to the run", "torchtitan_moe/bench_train.py",
-      "            args += override(key, value)", "            pass",
+      "    return [arg for key, value in vary for arg in override(key, value)]", "    return []",
       ("tests/test_bench_train.py", "-k", "vary")),
     M("planner: experts outside FSDP2 counted as under it", "torchtitan_moe/plan.py",
       "outside = not one_process and layout.replicate * (layout.shard // layout.ep) == 1", "outside = False",

@@ -76,8 +76,7 @@ class Variant:
         args = ["--model.name", "qwen3_moe" if ours else "torchtitan_qwen3_moe"]
         if ours:
             args += ["--dispatch.backend", self.model]
-        for key, value in self.vary:
-            args += override(key, value)
+        args += vary_overrides(self.vary)
         if self.router == "balanced":
             args += ["--router.force_balance"] if ours else ["--debug.moe_force_load_balance"]
         args += ["--compile.enable"] if self.mode == "compiled" else ["--compile.no-enable"]
@@ -157,6 +156,10 @@ def vary_gain(variants: list[Variant], results: dict[str, dict], first: tuple[tu
             "|---|---|---|---|---|\n" + "\n".join(lines))
 
 
+def vary_overrides(vary: tuple[tuple[str, str], ...]) -> list[str]:
+    return [arg for key, value in vary for arg in override(key, value)]
+
+
 def vary_combinations(varies: list[str]) -> list[tuple[tuple[str, str], ...]]:
     """["a.b=1,2", "c.d=x"] -> [(("a.b", "1"), ("c.d", "x")), (("a.b", "2"), ("c.d", "x"))]; [] -> [()]."""
     return [tuple(s.values) for s in settings_from(varies)]
@@ -171,9 +174,9 @@ def check_combinations(config: str, extra: list[str], combinations: list, nproc:
     for vary in combinations:
         if not vary:
             continue
-        args = [arg for key, value in vary for arg in override(key, value)]
         try:
-            load_job_config(["--job.config_file", config, "--model.name", "qwen3_moe", *args, *extra], world_size=nproc)
+            load_job_config(["--job.config_file", config, "--model.name", "qwen3_moe", *vary_overrides(vary), *extra],
+                            world_size=nproc)
         except ConfigError as e:
             raise SystemExit(f"bench_train: --vary {' '.join(f'{k}={v}' for k, v in vary)}: {e}") from None
 

@@ -182,17 +182,28 @@ class Sweep:
 
         return self._time(step, label)
 
-    def layer_ms(self, dispatcher, label: str) -> float:
-        self.layer.set_dispatcher(dispatcher)
+    def layer_step(self, dispatcher):
+        """(b): one forward + backward of the MoE layer through `dispatcher`."""
         x, grad = self.x.unsqueeze(0), self.grad.unsqueeze(0)
 
         def step():
+            self.layer.set_dispatcher(dispatcher)
             self.layer(x.detach().requires_grad_()).backward(grad)
 
-        return self._time(step, label)
+        return step
+
+    def layer_ms(self, dispatcher, label: str) -> float:
+        return self._time(self.layer_step(dispatcher), label)
+
+    def all_to_all_dispatcher(self) -> AllToAllDispatcher:
+        return AllToAllDispatcher(self.layer.num_experts, self.group, align=self.align, kernels=self.kernels)
+
+    def deepep_dispatcher(self, settings: DeepEPSettings) -> DeepEPDispatcher:
+        backend = DeepEPV1(self.group, settings, self.x.shape[1])
+        return DeepEPDispatcher(self.layer.num_experts, backend, self.align, self.kernels)
 
     def all_to_all(self) -> dict:
-        d = AllToAllDispatcher(self.layer.num_experts, self.group, align=self.align, kernels=self.kernels)
+        d = self.all_to_all_dispatcher()
         row = {"dispatcher": "all_to_all", "dispatch_combine_ms": self.dispatch_combine_ms(d, "all_to_all (a)"),
                "layer_ms": self.layer_ms(d, "all_to_all (b)")}
         self.rows.append(row)
@@ -201,12 +212,10 @@ class Sweep:
     def deepep(self, num_sms: int) -> dict:
         """Chunk sizes by (a), dispatch's then combine's; then (b) with the best pair."""
         release_buffers(self.group)  # a fresh buffer for this num_sms
-        ep, hidden = dist.get_world_size(self.group), self.x.shape[1]
-        base = default_settings(ep, num_sms)
+        base = default_settings(dist.get_world_size(self.group), num_sms)
 
         def measure(settings: DeepEPSettings, what: str) -> float:
-            d = DeepEPDispatcher(self.layer.num_experts, DeepEPV1(self.group, settings, hidden), self.align, self.kernels)
-            ms = self.dispatch_combine_ms(d, f"deepep {num_sms} SMs, {what}")
+            ms = self.dispatch_combine_ms(self.deepep_dispatcher(settings), f"deepep {num_sms} SMs, {what}")
             self.rows.append({"dispatcher": "deepep", **settings.__dict__, "dispatch_combine_ms": ms})
             return ms
 
@@ -216,29 +225,17 @@ class Sweep:
         chunks = sorted(set(self.args.combine_chunks) | {base.combine_chunk})
         timings = {c: measure(replace(best, combine_chunk=c), f"combine chunk {c}") for c in chunks}
         best = replace(best, combine_chunk=min(timings, key=timings.get))
-        d = DeepEPDispatcher(self.layer.num_experts, DeepEPV1(self.group, best, hidden), self.align, self.kernels)
         row = {"dispatcher": "deepep", "settings": best, "dispatch_combine_ms": timings[best.combine_chunk],
-               "layer_ms": self.layer_ms(d, f"deepep {num_sms} SMs (b)")}
+               "layer_ms": self.layer_ms(self.deepep_dispatcher(best), f"deepep {num_sms} SMs (b)")}
         self.rows.append({**{k: v for k, v in row.items() if k != "settings"}, **best.__dict__})
         return row
 
     def head_to_head(self, best: DeepEPSettings) -> dict[str, float]:
         """(b) of all_to_all and of DeepEP with `best`, their runs taken in turn."""
         release_buffers(self.group)  # `best` may have another num_sms than the last buffer
-        dispatchers = {"all_to_all": AllToAllDispatcher(self.layer.num_experts, self.group, align=self.align,
-                                                        kernels=self.kernels),
-                       "deepep": DeepEPDispatcher(self.layer.num_experts, DeepEPV1(self.group, best, self.x.shape[1]),
-                                                  self.align, self.kernels)}
-        x, grad = self.x.unsqueeze(0), self.grad.unsqueeze(0)
-
-        def step(dispatcher):
-            def run():
-                self.layer.set_dispatcher(dispatcher)
-                self.layer(x.detach().requires_grad_()).backward(grad)
-            return run
-
-        ms = timed_interleaved({name: step(d) for name, d in dispatchers.items()}, self.group, self.args.warmup,
-                               self.args.iters)
+        steps = {"all_to_all": self.layer_step(self.all_to_all_dispatcher()),
+                 "deepep": self.layer_step(self.deepep_dispatcher(best))}
+        ms = timed_interleaved(steps, self.group, self.args.warmup, self.args.iters)
         self.rows.append({"dispatcher": "head to head", **{f"{name}_layer_ms": v for name, v in ms.items()}})
         self.progress.step("all_to_all against the best DeepEP (b), in turn")
         return ms

@@ -104,11 +104,16 @@ MUTATIONS = [
       "dp += tl.sum(dh * silu * b, axis=1)", "dp += 0.5 * tl.sum(dh * silu * b, axis=1)",
       ("tests/ops/test_swiglu_prob.py", "-k", "triton and dtype2")),  # dtype2: float32
     M("combine (torch): drop the probabilities", "torchtitan_moe/ops/combine.py",
-      "out = out + (rows if probs is None else rows * probs[:, k, None])", "out = out + rows",
+      "out = out + (per_slot[:, k] if probs is None else per_slot[:, k] * probs[:, k, None])",
+      "out = out + per_slot[:, k]",
       ("tests/ops/test_combine.py", "-k", "torch")),
     M("gather_rows (torch): the next token's row", "torchtitan_moe/ops/combine.py",
-      "token = slot.clamp_min(0) // index.top_k", "token = (slot.clamp_min(0) // index.top_k + 1) % x.shape[0]",
+      "per_slot = xf.unsqueeze(1)", "per_slot = xf.roll(-1, 0).unsqueeze(1)",
       ("tests/ops/test_combine.py", "-k", "torch")),
+    M("combine (torch): gathered by inv (a backward that repeats indices)", "torchtitan_moe/ops/combine.py",
+      "per_slot = yf.new_zeros(T * K + 1, y.shape[1]).index_put((target,), yf)[: T * K].view(T, K, y.shape[1])",
+      "per_slot = torch.where((index.inv >= 0)[..., None], yf[index.inv.long().clamp_min(0)], 0.0)",
+      ("tests/ops/test_combine.py", "-k", "torch or repeated")),
     M("combine (triton): only the first of k terms", "torchtitan_moe/ops/combine_triton.py",
       "for k in range(K):  # in k order", "for k in range(1):  # in k order",
       ("tests/ops/test_combine.py", "-k", "triton and dtype1 and plain")),  # dtype1: float32

@@ -70,24 +70,30 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def gather_rows_reference(x: torch.Tensor, index) -> torch.Tensor:
-    """Plain torch. The gather runs in fp32 so that autograd's backward sums dx in fp32."""
-    slot = index.row_slot.long()
-    token = slot.clamp_min(0) // index.top_k
-    if x.shape[0] == 0:  # a rank that received no tokens still has pad rows when aligned
-        xf = _upcast(x)
-        return (xf.new_zeros(slot.shape[0], x.shape[1]) + xf.sum(0)).to(x.dtype)
-    return torch.where((slot >= 0)[:, None], _upcast(x)[token], 0.0).to(x.dtype)
+    """Plain torch, in fp32 (autograd's backward then sums dx in fp32). Each slot puts its token's
+    row at its row (slots without one at a dummy row), so the backward is a gather: a gather by
+    row_slot would send every pad and tail row's gradient to token 0, and autograd's indexing
+    backward serializes repeated indices (seconds a step at EP = 2 with worst-case buffers)."""
+    inv = index.inv.reshape(-1).long()  # [T K]
+    rows = index.row_slot.shape[0]
+    xf = _upcast(x)
+    per_slot = xf.unsqueeze(1).expand(-1, index.top_k, -1).reshape(-1, x.shape[1])  # [T K, D]
+    target = torch.where(inv >= 0, inv, rows)
+    return xf.new_zeros(rows + 1, x.shape[1]).index_put((target,), per_slot)[:rows].to(x.dtype)
 
 
 def combine_reference(y: torch.Tensor, index, probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain torch, summed in fp32 in k order. torch.where selects (never multiplies) the
-    rows, so a slot without a row adds an exact 0 even if the row it points at is NaN."""
-    inv = index.inv.long()
-    out = torch.zeros(inv.shape[0], y.shape[1], dtype=_compute_dtype(y.dtype), device=y.device)
-    for k in range(inv.shape[1]):
-        has_row = (inv[:, k] >= 0)[:, None]
-        rows = torch.where(has_row, _upcast(y[inv[:, k].clamp_min(0)]), 0.0)
-        out = out + (rows if probs is None else rows * probs[:, k, None])
+    """Plain torch, summed in fp32 in k order. Each row is put at its slot (pad and tail rows at a
+    dummy slot), so the backward is a gather (see gather_rows_reference), and a slot without a
+    row adds an exact 0 whatever the rows hold (a NaN tail included)."""
+    T, K = index.inv.shape
+    slot = index.row_slot.long()
+    target = torch.where(slot >= 0, slot, T * K)
+    yf = _upcast(y)
+    per_slot = yf.new_zeros(T * K + 1, y.shape[1]).index_put((target,), yf)[: T * K].view(T, K, y.shape[1])
+    out = torch.zeros(T, y.shape[1], dtype=yf.dtype, device=y.device)
+    for k in range(K):
+        out = out + (per_slot[:, k] if probs is None else per_slot[:, k] * probs[:, k, None])
     return out.to(y.dtype)
 
 

@@ -47,17 +47,17 @@ def baseline_op():
     from torchtitan_moe.ops.combine_triton import gather
 
     @torch.library.custom_op("bench_op_host::gather_rows", mutates_args=())
-    def gather_rows(x: torch.Tensor, row_slot: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-        return gather(x, inv, row_slot)[0]
+    def gather_rows(x: torch.Tensor, row_slot: torch.Tensor, inv: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+        return gather(x, inv, row_slot, num_rows)[0]
 
-    gather_rows.register_fake(lambda x, row_slot, inv: x.new_empty(row_slot.shape[0], x.shape[1]))
+    gather_rows.register_fake(lambda x, row_slot, inv, num_rows: x.new_empty(row_slot.shape[0], x.shape[1]))
 
     def setup(ctx, inputs, output):
-        ctx.save_for_backward(inputs[1], inputs[2])
+        ctx.save_for_backward(inputs[1], inputs[2], inputs[3])
 
     def backward(ctx, dxs):
-        row_slot, inv = ctx.saved_tensors
-        return _combine_triton(dxs, inv, row_slot, None), None, None
+        row_slot, inv, num_rows = ctx.saved_tensors
+        return _combine_triton(dxs, inv, row_slot, num_rows, None), None, None, None
 
     gather_rows.register_autograd(backward, setup_context=setup)
     return gather_rows
@@ -67,18 +67,18 @@ class GatherRowsFunction(torch.autograd.Function):
     """The same forward and backward with no dispatcher in between."""
 
     @staticmethod
-    def forward(ctx, x, row_slot, inv):
+    def forward(ctx, x, row_slot, inv, num_rows):
         from torchtitan_moe.ops.combine_triton import gather
 
         ctx.save_for_backward(row_slot, inv)
-        return gather(x, inv, row_slot)[0]
+        return gather(x, inv, row_slot, num_rows)[0]
 
     @staticmethod
     def backward(ctx, dxs):
         from torchtitan_moe.ops.combine_triton import combine_rows
 
         row_slot, inv = ctx.saved_tensors
-        return combine_rows(dxs, inv), None, None
+        return combine_rows(dxs, inv), None, None, None
 
 
 def main() -> None:
@@ -98,13 +98,13 @@ def main() -> None:
     experts = torch.rand(args.tokens, args.experts, device="cuda").topk(args.top_k, dim=1).indices
     x = torch.randn(args.tokens, args.dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     index = ops.routing_index(experts, args.experts)
-    row_slot, inv = index.row_slot, index.inv
+    row_slot, inv, num_rows = index.row_slot, index.inv, index.num_rows
     grad = torch.ones(row_slot.shape[0], args.dim, device="cuda", dtype=torch.bfloat16)
     baseline = baseline_op()
     variants = {
-        "torch.library.custom_op": lambda: baseline(x, row_slot, inv),
-        "ops (_library.custom_op)": lambda: _gather_rows_triton(x, row_slot, inv),
-        "autograd.Function": lambda: GatherRowsFunction.apply(x, row_slot, inv),
+        "torch.library.custom_op": lambda: baseline(x, row_slot, inv, num_rows),
+        "ops (_library.custom_op)": lambda: _gather_rows_triton(x, row_slot, inv, num_rows),
+        "autograd.Function": lambda: GatherRowsFunction.apply(x, row_slot, inv, num_rows),
     }
     fwd = {name: [] for name in variants}
     both = {name: [] for name in variants}
@@ -116,7 +116,7 @@ def main() -> None:
             fwd[name].append(host)
             walls.append(wall / host)
             both[name].append(host_us(lambda: call().backward(grad), args.calls)[0])  # noqa: B023
-    alone = [host_us(lambda: gather(x.detach(), inv, row_slot), args.calls)[0] for _ in range(args.reps)]
+    alone = [host_us(lambda: gather(x.detach(), inv, row_slot, num_rows), args.calls)[0] for _ in range(args.reps)]
     floor = statistics.median(alone)
     base_f, base_b = statistics.median(fwd["torch.library.custom_op"]), statistics.median(both["torch.library.custom_op"])
     print(f"gather_rows [{row_slot.shape[0]}, {args.dim}] bf16 from [{args.tokens}, {args.dim}], "

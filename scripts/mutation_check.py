@@ -117,6 +117,9 @@ MUTATIONS = [
     M("combine (triton): only the first of k terms", "torchtitan_moe/ops/combine_triton.py",
       "for k in range(K):  # in k order", "for k in range(1):  # in k order",
       ("tests/ops/test_combine.py", "-k", "triton and dtype1 and plain")),  # dtype1: float32
+    M("gather (triton): pad rows left unzeroed with the tail", "torchtitan_moe/ops/combine_triton.py",
+      "unowned = ((slot < 0) & (rows < limit))[:, None]", "unowned = ((slot < 0) & (rows < 0))[:, None]",
+      ("tests/ops/test_combine.py", "-k", "triton and (aligned or zeroes)")),
     M("routing index (torch): groups in reverse expert order", "torchtitan_moe/ops/permute.py",
       "order = torch.sort(key, stable=True).indices", "order = torch.sort(key, stable=True, descending=True).indices",
       ("tests/ops/test_permute.py", "-k", "torch")),

@@ -72,8 +72,8 @@ def main() -> None:
                                                 weights_ptr=None, dot_src_ptr=None, dots_ptr=None), True)
     compile_sm90(c._gather_kernel, dict(gather, weights_ptr="*fp32", dot_src_ptr="*bf16", dots_ptr="*fp32"),
                  dict(tile_gather, HAS_WEIGHTS=True, HAS_DOTS=True), True)
-    # Loads one index per row, stores zeros only into pad and tail rows: not bandwidth-bound.
-    compile_sm90(c._zero_unowned_rows_kernel, dict(row_slot_ptr="*i64", out_ptr="*bf16", N="i32"),
+    # Loads one index per row, stores zeros only into pad rows: not bandwidth-bound.
+    compile_sm90(c._zero_pad_rows_kernel, dict(row_slot_ptr="*i64", num_rows_ptr="*i64", out_ptr="*bf16", N="i32"),
                  dict(D=2048, BLOCK_R=16, BLOCK_D=1024), False)
     combine = dict(src_ptr="*bf16", inv_ptr="*i64", out_ptr="*bf16", T="i32")
     compile_sm90(c._combine_kernel, combine, dict(tile, HAS_WEIGHTS=False, weights_ptr=None), True)

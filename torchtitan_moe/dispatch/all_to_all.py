@@ -19,7 +19,7 @@ CPU/gloo and under torch.compile they run where they are called (the custom op o
 What a call needs later travels in its handle and its ExpertBatch's ctx, not in the dispatcher.
 
 Worst-case buffers (`buffers = "worst_case"`, [dispatch] buffers): no host sync. Every rank sends
-T rows to every rank, rank p's rows at [p T, p T + n_p) and tail rows (no slot, zeros, experts -1)
+T rows to every rank, rank p's rows at [p T, p T + n_p) and tail rows (no slot, experts -1, values unread)
 after them (`fixed_capacity`), so the splits are [T] * P, known without asking the device; every
 rank must have the same T (training's local batch x seq_len). The receiver finds its rows' experts
 in their metadata, and lays out expert-major rows for the most it can receive: P T min(K, E/P)

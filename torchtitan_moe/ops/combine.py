@@ -10,9 +10,12 @@ two gather-based kernels: each output row is owned by one program, no atomics, t
 bits on every run. Sums over k accumulate in fp32 in k order.
 
 `index` is a RoutingIndex, or anything with its fields inv [T, K], row_slot [N] (int32 or
-int64) and top_k. Pad rows (row_slot = -1) and tail rows (r >= num_rows, garbage from
-torch._grouped_mm) are never read: only rows named by inv are. Rows of xs and of combine's
-input gradient that hold no slot are written as zeros. Slots with inv = -1 add nothing.
+int64), num_rows (a device scalar) and top_k. Pad rows (row_slot = -1) and tail rows
+(r >= num_rows, garbage from torch._grouped_mm) are never read: only rows named by inv are.
+Pad rows of xs and of combine's input gradient are written as zeros (they sit inside the
+grouped GEMMs' groups); tail rows are left undefined with the Triton kernels (nothing reads
+them, and with worst-case buffers they are most of the buffer), zeros with the torch
+reference. Slots with inv = -1 add nothing.
 """
 
 from __future__ import annotations
@@ -108,25 +111,25 @@ def combine_reference(y: torch.Tensor, index, probs: torch.Tensor | None = None)
 
 
 @custom_op("torchtitan_moe::gather_rows")
-def _gather_rows_triton(x: torch.Tensor, row_slot: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+def _gather_rows_triton(x: torch.Tensor, row_slot: torch.Tensor, inv: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
     from .combine_triton import gather
 
-    return gather(x, inv, row_slot)[0]
+    return gather(x, inv, row_slot, num_rows)[0]
 
 
 @_gather_rows_triton.register_fake
-def _(x, row_slot, inv):
+def _(x, row_slot, inv, num_rows):
     return x.new_empty(row_slot.shape[0], x.shape[1])
 
 
 def _gather_rows_setup(ctx, inputs, output) -> None:
-    _, row_slot, inv = inputs
-    ctx.save_for_backward(row_slot, inv)
+    _, row_slot, inv, num_rows = inputs
+    ctx.save_for_backward(row_slot, inv, num_rows)
 
 
 def _gather_rows_backward(ctx, dxs):
-    row_slot, inv = ctx.saved_tensors
-    return _combine_triton(dxs, inv, row_slot, None), None, None
+    row_slot, inv, num_rows = ctx.saved_tensors
+    return _combine_triton(dxs, inv, row_slot, num_rows, None), None, None, None
 
 
 _gather_rows_triton.register_autograd(_gather_rows_backward, setup_context=_gather_rows_setup)
@@ -134,7 +137,7 @@ _gather_rows_triton.register_autograd(_gather_rows_backward, setup_context=_gath
 
 @custom_op("torchtitan_moe::combine")
 def _combine_triton(
-    y: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, probs: torch.Tensor | None
+    y: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, num_rows: torch.Tensor, probs: torch.Tensor | None
 ) -> torch.Tensor:
     from .combine_triton import combine_rows
 
@@ -142,23 +145,24 @@ def _combine_triton(
 
 
 @_combine_triton.register_fake
-def _(y, inv, row_slot, probs):
+def _(y, inv, row_slot, num_rows, probs):
     return y.new_empty(inv.shape[0], y.shape[1])
 
 
 @custom_op("torchtitan_moe::combine_backward")
 def _combine_backward(
-    dout: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, probs: torch.Tensor | None, y: torch.Tensor | None
+    dout: torch.Tensor, inv: torch.Tensor, row_slot: torch.Tensor, num_rows: torch.Tensor,
+    probs: torch.Tensor | None, y: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> dy [N, D], dprobs [T, K] (empty [0] unless both probs and y are given)."""
+    """-> dy [N, D] (rows past num_rows undefined), dprobs [T, K] (empty [0] unless both probs and y are given)."""
     from .combine_triton import gather
 
-    dy, dots = gather(dout, inv, row_slot, weights=None if probs is None else probs.contiguous(), dot_src=y)
+    dy, dots = gather(dout, inv, row_slot, num_rows, weights=None if probs is None else probs.contiguous(), dot_src=y)
     return dy, dout.new_empty(0, dtype=torch.float32) if dots is None else dots.view(inv.shape)
 
 
 @_combine_backward.register_fake
-def _(dout, inv, row_slot, probs, y):
+def _(dout, inv, row_slot, num_rows, probs, y):
     dy = dout.new_empty(row_slot.shape[0], dout.shape[1])
     if probs is None or y is None:
         return dy, dout.new_empty(0, dtype=torch.float32)
@@ -166,27 +170,28 @@ def _(dout, inv, row_slot, probs, y):
 
 
 def _combine_setup(ctx, inputs, output) -> None:
-    y, inv, row_slot, probs = inputs
-    need_dprobs = probs is not None and ctx.needs_input_grad[3]
-    ctx.save_for_backward(y if need_dprobs else None, inv, row_slot, probs)
+    y, inv, row_slot, num_rows, probs = inputs
+    need_dprobs = probs is not None and ctx.needs_input_grad[4]
+    ctx.save_for_backward(y if need_dprobs else None, inv, row_slot, num_rows, probs)
 
 
 def _combine_backward_fn(ctx, dout):
-    y, inv, row_slot, probs = ctx.saved_tensors
-    dy, dprobs = _combine_backward(dout, inv, row_slot, probs, y)
-    return dy, None, None, dprobs if y is not None else None
+    y, inv, row_slot, num_rows, probs = ctx.saved_tensors
+    dy, dprobs = _combine_backward(dout, inv, row_slot, num_rows, probs, y)
+    return dy, None, None, None, dprobs if y is not None else None
 
 
 _combine_triton.register_autograd(_combine_backward_fn, setup_context=_combine_setup)
 
 
 def gather_rows(x: torch.Tensor, index, *, backend: str = "triton") -> torch.Tensor:
-    """xs [N, D]: the token rows of x [T, D] in expert-major order; zeros for pad and tail rows."""
+    """xs [N, D]: the token rows of x [T, D] in expert-major order; zeros for pad rows, rows past
+    index.num_rows undefined (zeros with the torch reference)."""
     _check_data("x", x)
     _check_index(index, x.device, num_tokens=x.shape[0])
     if not use_triton(backend, x):
         return gather_rows_reference(x, index)
-    return _gather_rows_triton(x, index.row_slot, index.inv)
+    return _gather_rows_triton(x, index.row_slot, index.inv, index.num_rows)
 
 
 def combine(y: torch.Tensor, index, probs: torch.Tensor | None = None, *, backend: str = "triton") -> torch.Tensor:
@@ -197,4 +202,4 @@ def combine(y: torch.Tensor, index, probs: torch.Tensor | None = None, *, backen
         _check_probs(probs, index.inv)
     if not use_triton(backend, y):
         return combine_reference(y, index, probs)
-    return _combine_triton(y, index.inv, index.row_slot, probs)
+    return _combine_triton(y, index.inv, index.row_slot, index.num_rows, probs)

@@ -2,7 +2,7 @@
 
     _gather_kernel   out [N, D]: out[inv[t, k]] = w[t, k] * src[t], pushed from each token row;
                      optionally dots[t, k] = <src[t], dot_src[inv[t, k]]> on the way (dprobs)
-                     (+ _zero_unowned_rows_kernel: zeros in the pad and tail rows)
+                     (+ _zero_pad_rows_kernel: zeros in the pad rows; rows past num_rows left alone)
     _combine_kernel  out [T, D]: out[t] = sum_k w[t, k] * src[inv[t, k]] over inv >= 0
 
                  forward                          backward
@@ -68,11 +68,15 @@ def _gather_kernel(
 
 
 @triton.jit
-def _zero_unowned_rows_kernel(row_slot_ptr, out_ptr, N, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rows no slot owns (pad and tail rows) are zeros: the pushes above never touch them."""
+def _zero_pad_rows_kernel(row_slot_ptr, num_rows_ptr, out_ptr, N, D: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """Pad rows (no slot, below num_rows: inside a grouped GEMM's groups) are zeros: the pushes above
+    never touch them. Rows past num_rows are read by nothing (grouped_mm takes device offsets), and
+    with worst-case buffers they are most of the buffer: left as they are."""
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    limit = tl.load(num_rows_ptr)
     slot = tl.load(row_slot_ptr + rows, mask=rows < N, other=0)
-    unowned = (slot < 0)[:, None]
+    unowned = ((slot < 0) & (rows < limit))[:, None]
     for d0 in range(0, D, BLOCK_D):
         cols = (d0 + tl.arange(0, BLOCK_D))[None, :]
         zeros = tl.zeros([BLOCK_R, BLOCK_D], dtype=out_ptr.dtype.element_ty)
@@ -102,8 +106,9 @@ def _combine_kernel(
         tl.store(out_row + cols, round_to(acc, out_ptr.dtype.element_ty), mask=in_bounds[:, None] & (cols < D))
 
 
-def gather(src, inv, row_slot, weights=None, dot_src=None):
-    """src [T, D] -> (out [N, D], dots [T*K] or None); see _gather_kernel."""
+def gather(src, inv, row_slot, num_rows, weights=None, dot_src=None):
+    """src [T, D] -> (out [N, D], dots [T*K] or None); see _gather_kernel. num_rows: a device scalar,
+    the rows the groups take; pad rows below it are zeros, rows past it undefined."""
     src, inv, row_slot = src.contiguous(), inv.contiguous(), row_slot.contiguous()
     (T, K), N, D = inv.shape, row_slot.shape[0], src.shape[1]
     out = torch.empty(N, D, dtype=src.dtype, device=src.device)
@@ -119,7 +124,8 @@ def gather(src, inv, row_slot, weights=None, dot_src=None):
     if N > 0:
         block_r = 8 if INTERPRET else 16
         block_d = 32 if INTERPRET else 1024
-        _zero_unowned_rows_kernel[(triton.cdiv(N, block_r),)](row_slot, out, N, D, BLOCK_R=block_r, BLOCK_D=block_d)
+        _zero_pad_rows_kernel[(triton.cdiv(N, block_r),)](row_slot, num_rows, out, N, D, BLOCK_R=block_r,
+                                                          BLOCK_D=block_d)
     return out, dots
 
 

@@ -148,10 +148,16 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
 
 
 def worker(rank: int, world: int, port: int, mode: str, padding: str, case: str, failures) -> None:
+    # The rank processes are pooled across tests: one that ran a fake case still holds the fake
+    # module, which a GPU case must not get (the GPU tier runs the fake cases first).
+    sys.modules.pop("deep_ep", None)
     if mode == "fake":
         sys.modules["deep_ep"] = load_fake_deep_ep()
         device, kernels, backend, init = torch.device("cpu"), "torch", "gloo", {}
     else:
+        import deep_ep
+
+        assert not Path(deep_ep.__file__).is_relative_to(FAKES), f"the GPU cases got the fake deep_ep ({deep_ep.__file__})"
         torch.cuda.set_device(rank)
         device, kernels = torch.device("cuda", rank), "triton"
         backend, init = "nccl", {"device_id": device}

@@ -93,6 +93,9 @@ MUTATIONS = [
     M("bias cost: expert sets compared with the bias on both sides", "torchtitan_moe/bias_cost.py",
       "torch.topk(routing.scores, router.top_k", "torch.topk(routing.scores + router.expert_bias, router.top_k",
       ("tests/test_bias_cost.py",)),
+    M("clip in the optimizer: the scale never reaches the step", "torchtitan_moe/optimizer.py",
+      "            optimizer.grad_scale = scale\n", "            optimizer.grad_scale = None\n",
+      ("tests/test_clip.py",)),
     # -- ops: swiglu_prob, gather/combine, routing index (torch references and Triton kernels) ----
     M("swiglu_prob (torch): drop the probabilities", "torchtitan_moe/ops/swiglu_prob.py",
       "h = torch.nn.functional.silu(a) * b * torch.where(valid, probs, 0.0)[:, None]",

@@ -13,6 +13,8 @@ PLAN.json is a list of operations that every rank runs in order:
     {"train": [...], "experts": path}          also: rank 0 writes where layer 0's experts live after each step
                                                (+ "experts_in_fsdp": true: under FSDP2 even where their group
                                                has one rank, as before they stayed outside it)
+    {"train": [...], "clip": "torchtitan"}       with torchtitan's clip_grad_norm_ (a multiply of the gradients)
+                                               instead of ours (the clipping inside the optimizer's update)
     {"host_syncs": [override, ...], "out": path}  a 3-step run; rank 0 writes the host syncs of each training
                                                step that logs nothing (steps 2 and 3) as a JSON list
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
@@ -32,6 +34,7 @@ import torch.distributed as dist
 
 from torchtitan_moe import convert, train_runs
 from torchtitan_moe.checkpoint import CheckpointError
+from torchtitan_moe.torchtitan_compat import replace_clip_grad_norm
 from torchtitan_moe.train_runs import shared_group
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
@@ -67,6 +70,11 @@ def data_of_ranks(n: int):
                                                     job_config=trainer.job_config) for r in range(n)])
 
     return adapt
+
+
+def torchtitans_clip(trainer) -> None:
+    """adapt(trainer) for `train`: torchtitan's own gradient clipping, as before clip_in_optimizer."""
+    replace_clip_grad_norm(lambda torchtitan_clip: torchtitan_clip)
 
 
 def host_syncs(overrides: list[str], out: str) -> None:
@@ -181,6 +189,8 @@ def run_plan(plan: list[dict]) -> None:
         with train_runs.output_to(prefix and f"{prefix}.out", prefix and f"{prefix}.err"):
             if "train" in op and "experts" in op:
                 train_recording_experts(op["train"], op["experts"], op.get("experts_in_fsdp", False))
+            elif "train" in op and op.get("clip") == "torchtitan":
+                train(op["train"], torchtitans_clip)
             elif "train" in op:
                 train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)
             elif "host_syncs" in op:

@@ -38,6 +38,13 @@ RUNS = {
     "bf16_moments": ["--training.steps", "4", "--optimizer.moments_dtype", "bfloat16", "--checkpoint.enable",
                      "--checkpoint.interval", "4"],
 }
+# Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
+# step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
+# torch's fused AdamW and with ours (bf16 moments).
+CLIP = ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2", "--training.max_norm", "0.05"]
+for moments in ("float32", "bfloat16"):
+    for clip in ("", "_torchtitan_clip"):
+        RUNS[f"clip_{moments}{clip}"] = [*CLIP, "--optimizer.moments_dtype", moments]
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,6 +75,8 @@ def launched(tmp_path_factory) -> Path:
     for op, name in zip(plan, RUNS):
         if name.startswith("ep2_bf16"):
             op.update(experts=str(d / f"{name}.experts.json"), experts_in_fsdp=name.endswith("in_fsdp"))
+        if name.endswith("_torchtitan_clip"):
+            op.update(clip="torchtitan")
     torchrun_plan(plan, d)
     return d
 
@@ -171,3 +180,12 @@ def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):
                if k.startswith("optimizer.state.") and "exp_avg" in k}
     assert set(moments) == {f"{w}.{m}" for w in weights for m in ("exp_avg", "exp_avg_sq")}
     assert set(moments.values()) == {torch.bfloat16}, moments
+
+
+@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+def test_clipping_inside_the_optimizer_trains_as_torchtitans_clip(runs, moments):
+    ours, theirs = runs[f"clip_{moments}"], runs[f"clip_{moments}_torchtitan_clip"]
+    assert all(r["grad_norm"] > 0.05 for r in theirs)  # every step clips
+    assert ours[0]["grad_norm"] == theirs[0]["grad_norm"]  # the same norm of the same gradients
+    for a, b in zip(ours, theirs):  # then grad / scale against grad * coefficient: rounding apart
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)

@@ -80,10 +80,22 @@ __all__ = [
     "merged_config_class",
     "precompute_rope_cache",
     "register_train_spec",
+    "replace_clip_grad_norm",
     "torchtitan_parallelize_qwen3",
     "trunc_normal_",
     "use_sum_reductions",
 ]
+
+
+# torchtitan's own gradient clipping, kept before replace_clip_grad_norm swaps it out.
+_TORCHTITAN_CLIP_GRAD_NORM = dist_utils.clip_grad_norm_
+
+
+def replace_clip_grad_norm(make_clip) -> None:
+    """Trainer.train_step clips through `dist_utils.clip_grad_norm_`, looked up at each step:
+    make_clip(torchtitan's function) -> the function the steps call from now on, with its signature
+    (optimizer.clip_in_optimizer: the clipping applied inside the optimizer's update)."""
+    dist_utils.clip_grad_norm_ = make_clip(_TORCHTITAN_CLIP_GRAD_NORM)
 
 
 def check_torchtitan_version() -> None:

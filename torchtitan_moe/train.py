@@ -25,6 +25,7 @@ from torchtitan_moe.models import qwen3_moe
 from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
 from torchtitan_moe.moe.layer import MoE
+from torchtitan_moe.optimizer import clip_in_optimizer
 from torchtitan_moe.torchtitan_compat import (
     Trainer,
     check_torchtitan_version,
@@ -32,6 +33,7 @@ from torchtitan_moe.torchtitan_compat import (
     exit_process,
     init_logger,
     logger,
+    replace_clip_grad_norm,
 )
 
 
@@ -66,6 +68,12 @@ class MoETrainer(Trainer):
         self.ours = job_config.model.name == qwen3_moe.NAME  # not the torchtitan_qwen3_moe baseline
         if job_config.checkpoint.enable and self.ours:
             record_model_args(self.checkpointer, self.model_args, self.checkpointer.export_dtype)
+        # Both models: a comparison of the two clips the same way.
+        replace_clip_grad_norm(lambda torchtitan_clip: clip_in_optimizer(self.optimizers, torchtitan_clip))
+
+    def close(self) -> None:
+        super().close()
+        replace_clip_grad_norm(lambda torchtitan_clip: torchtitan_clip)  # no later trainer steps these optimizers
 
     def train(self) -> None:
         # Refuse, in one line, a checkpoint that cannot resume or start this run, before

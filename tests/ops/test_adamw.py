@@ -57,6 +57,27 @@ def test_adamw_step_is_one_rounding_of_the_exact_update(n, grad_dtype, moments, 
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_grad_scale_divides_the_gradient_and_leaves_it(moments, backend):
+    """grad_scale (clipping folded into the update): the same bits as the update of grad / grad_scale,
+    and the gradient itself is not written."""
+    g0 = torch.Generator().manual_seed(3)
+    p, m, v = torch.randn(3000, generator=g0), torch.randn(3000, generator=g0) * 1e-2, torch.rand(3000, generator=g0) * 1e-4
+    g = torch.randn(3000, generator=g0) * 1e-2
+    scale = torch.tensor(3.7)
+    scaled = [t.clone().to(DEVICE, d) for t, d in ((p, torch.float32), (m, moments), (v, moments))]
+    divided = [t.clone() for t in scaled]
+    grad = g.to(DEVICE)
+    adamw_step_(*scaled[:1], grad, *scaled[1:], **HYPER, step=3, seed=5, grad_scale=scale.to(DEVICE), backend=backend)
+    adamw_step_(*divided[:1], grad / scale.to(DEVICE), *divided[1:], **HYPER, step=3, seed=5, backend=backend)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), scaled, divided):
+        assert torch.equal(a, b), name
+    assert torch.equal(grad, g.to(DEVICE))
+    with pytest.raises(ValueError, match="grad_scale must be a 0-dim float32 tensor"):
+        adamw_step_(*scaled[:1], grad, *scaled[1:], **HYPER, step=4, grad_scale=scale.reshape(1).to(DEVICE))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bf16_moments_keep_updates_smaller_than_half_a_step_on_average(backend):
     # exp_avg_sq = 1 and g^2 = 1 + 2^-10 / (1 - beta2): the exact new value 1 + 2^-10 is an eighth of the
     # way to the next bf16 number (1 + 2^-7). Rounded to nearest, every element would stay 1 forever.

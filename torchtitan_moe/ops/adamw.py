@@ -1,8 +1,9 @@
 """adamw_step_: one AdamW update of one parameter, in place, with moments stored in their own dtype.
 
     adamw_step_(param [*], grad [*], exp_avg [*], exp_avg_sq [*], lr, beta1, beta2, eps,
-                weight_decay, step, seed)                                   -> None (in place)
+                weight_decay, step, seed, grad_scale [] or None)            -> None (in place)
 
+    grad        = grad / grad_scale                           (if given; grad itself is not written)
     param      *= 1 - lr * weight_decay                      (decoupled decay, as torch.optim.AdamW)
     exp_avg     = beta1 * exp_avg + (1 - beta1) * grad
     exp_avg_sq  = beta2 * exp_avg_sq + (1 - beta2) * grad^2
@@ -19,7 +20,9 @@ spread (worklogs/2026-11-25-bf16-moments.md).
 param stays fp32 (the master weights); grad may be any float dtype. With fp32 moments the result is
 torch.optim.AdamW's up to fp32 rounding order, and `seed` is unused.
 
-The Triton kernel reads each tensor once and writes param and the moments once. Not traced by
+`grad_scale` is how gradient clipping reaches the update without a pass of its own over the
+gradients (optimizer.py): the clip coefficient's inverse, a device scalar, as torch's fused AdamW
+takes it from GradScaler. The Triton kernel reads each tensor once and writes param and the moments once. Not traced by
 autograd; registered with torch.library (mutating its first, third and fourth arguments) so that a
 compiled optimizer step would see one node.
 """
@@ -33,7 +36,12 @@ from ._backend import use_triton
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _check(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+def _check(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           grad_scale: torch.Tensor | None) -> None:
+    if grad_scale is not None and (grad_scale.dim() != 0 or grad_scale.dtype != torch.float32
+                                   or grad_scale.device != param.device):
+        raise ValueError(f"grad_scale must be a 0-dim float32 tensor on {param.device}, got "
+                         f"{tuple(grad_scale.shape)} {grad_scale.dtype} on {grad_scale.device}")
     if param.dtype != torch.float32:
         raise ValueError(f"param must be float32 (the master weights), got {param.dtype}")
     for name, t in (("grad", grad), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
@@ -60,10 +68,11 @@ def round_stochastic(x: torch.Tensor, dtype: torch.dtype, generator: torch.Gener
     return torch.where(x.isnan(), x, rounded).to(dtype)  # exact: the low 16 bits are zero
 
 
-def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed) -> None:
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed,
+                         grad_scale=None) -> None:
     """The same update in torch ops, fp32 arithmetic, one rounding of each moment at its store
     (other random bits than the kernel's: the two agree in distribution, not bit for bit)."""
-    g = grad.float()
+    g = grad.float() if grad_scale is None else grad.float() / grad_scale
     m = exp_avg.float().mul_(beta1).add_(g, alpha=1 - beta1)
     v = exp_avg_sq.float().mul_(beta2).addcmul_(g, g, value=1 - beta2)
     denom = (v.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
@@ -76,29 +85,30 @@ def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps
 @torch.library.custom_op("torchtitan_moe::adamw_step_", mutates_args=("param", "exp_avg", "exp_avg_sq"))
 def _adamw_step_triton(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                        lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: float,
-                       seed: int) -> None:
+                       seed: int, grad_scale: torch.Tensor | None) -> None:
     from .adamw_triton import adamw_step_triton
 
-    adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed)
+    adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed, grad_scale)
 
 
 @_adamw_step_triton.register_fake
-def _(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed) -> None:
+def _(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed, grad_scale) -> None:
     return None
 
 
 def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int, seed: int = 0,
-                backend: str = "triton") -> None:
+                grad_scale: torch.Tensor | None = None, backend: str = "triton") -> None:
     """One AdamW update of `param` (fp32) and its moments (fp32 or bf16), in place; `step` counts from 1;
-    `seed` (0 <= seed < 2^31) draws the stochastic rounding of bf16 moments: vary it by step and parameter."""
-    _check(param, grad, exp_avg, exp_avg_sq)
+    `seed` (0 <= seed < 2^31) draws the stochastic rounding of bf16 moments: vary it by step and parameter;
+    the update uses grad / grad_scale where grad_scale is given."""
+    _check(param, grad, exp_avg, exp_avg_sq, grad_scale)
     if step < 1:
         raise ValueError(f"step counts from 1, got {step}")
     if not 0 <= seed < 2**31:
         raise ValueError(f"seed must be in [0, 2^31), got {seed}")
     args = (param, grad, exp_avg, exp_avg_sq, float(lr), float(beta1), float(beta2), float(eps),
-            float(weight_decay), float(step), int(seed))
+            float(weight_decay), float(step), int(seed), grad_scale)
     if use_triton(backend, param):
         _adamw_step_triton(*args)
     else:

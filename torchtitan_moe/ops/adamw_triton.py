@@ -1,7 +1,7 @@
 """Triton kernel of adamw_step_ and its launcher.
 
 Elementwise over the flat parameter: each program owns BLOCK contiguous elements, loads param,
-grad and the two moments once, computes in fp32 and stores param and the moments once
+grad and the two moments once (and the clip's grad_scale, a scalar), computes in fp32 and stores param and the moments once
 (bf16 moments rounded stochastically from Philox random bits of (seed, element index)). Bandwidth-bound: 20 bytes per element with bf16
 moments and fp32 param and grad, 28 with fp32 moments.
 """
@@ -19,13 +19,15 @@ BLOCK, NUM_WARPS = 1024, 4
 
 @triton.jit
 def _adamw_kernel(
-    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, N,
+    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, N,
     beta1, beta2, eps, decay, step_size, inv_sqrt_bias2, seed, BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     p = tl.load(param_ptr + offs, mask=mask)
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
+    if grad_scale_ptr is not None:  # clipping, folded in: no pass of its own over the gradients
+        g = tl.div_rn(g, tl.load(grad_scale_ptr))
     m = tl.load(exp_avg_ptr + offs, mask=mask).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask).to(tl.float32)
     m = beta1 * m + (1.0 - beta1) * g
@@ -48,13 +50,14 @@ def _round(x, dtype: tl.constexpr, seed, offs, stream: tl.constexpr):
     return round_to(x, dtype)
 
 
-def adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed) -> None:
+def adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed,
+                      grad_scale=None) -> None:
     n = param.numel()
     if n == 0:
         return
     # Per-step scalars on the host (the step count is a host number, as in torch's non-capturable AdamW).
     step_size = lr / (1.0 - beta1**step)
     inv_sqrt_bias2 = 1.0 / (1.0 - beta2**step) ** 0.5
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, n, beta1, beta2, eps,
+    _adamw_kernel[(triton.cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, grad_scale, n, beta1, beta2, eps,
                                             1.0 - lr * weight_decay, step_size, inv_sqrt_bias2, seed,
                                             BLOCK=BLOCK, num_warps=NUM_WARPS)

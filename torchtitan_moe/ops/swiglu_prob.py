@@ -3,11 +3,12 @@
     ab       [N, 2I]  output of the first grouped matmul; a = ab[:, :I], b = ab[:, I:]
     probs    [N]      fp32 router probability of each row's (token, k) slot
     num_rows []       0-dim int tensor: rows >= num_rows are tail garbage of torch._grouped_mm
-    -> h     [N, I]   in ab.dtype, computed in fp32; zeros for rows >= num_rows
+    -> h     [N, I]   in ab.dtype, computed in fp32; rows >= num_rows undefined (zeros with the
+                      torch reference): nothing reads them, the next grouped GEMM stops at its last offset
 
-Backward: dab [N, 2I] (zeros for rows >= num_rows) and dprobs [N] fp32 =
-sum_i dh * silu(a) * b, the gradient that reaches the router. Rows >= num_rows are never
-read, neither ab nor dh: masked or selected, never multiplied by 0 (NaN * 0 = NaN).
+Backward: dab [N, 2I] (rows >= num_rows undefined, as h's) and dprobs [N] fp32 =
+sum_i dh * silu(a) * b, the gradient that reaches the router (0 for rows >= num_rows). Rows >=
+num_rows are never read, neither ab nor dh: masked or selected, never multiplied by 0 (NaN * 0 = NaN).
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ _swiglu_prob_triton.register_autograd(_backward, setup_context=_setup_context)
 def swiglu_prob(
     ab: torch.Tensor, probs: torch.Tensor, num_rows: torch.Tensor | None = None, *, backend: str = "triton"
 ) -> torch.Tensor:
-    """h [N, I] = silu(a) * b * probs[:, None] for rows < num_rows (all rows if None), zeros after."""
+    """h [N, I] = silu(a) * b * probs[:, None] for rows < num_rows (all rows if None); rows after it
+    undefined with the Triton kernel (zeros with the torch reference)."""
     _check_args(ab, probs, num_rows)
     if not use_triton(backend, ab):
         return swiglu_prob_reference(ab, probs, num_rows)

@@ -3,8 +3,9 @@
 One program owns BLOCK_R whole rows and walks the I columns in BLOCK_I steps, reading
 a and b from the two contiguous halves of each ab row. Owning whole rows lets the
 backward reduce dprobs inside the program, in a fixed order, without atomics. silu is
-recomputed from ab in the backward instead of saving h. Rows >= num_rows are masked
-loads (zeros), so they are never read, and their outputs come out as zeros.
+recomputed from ab in the backward instead of saving h. Rows >= num_rows are never read
+(masked loads) nor written in h and dab: they are the tail of a worst-case-sized buffer, which
+the grouped GEMMs never read either (they stop at their last offset); dprobs is 0 there.
 """
 
 import torch
@@ -39,7 +40,7 @@ def _swiglu_prob_fwd_kernel(
     ab_ptr, probs_ptr, num_rows_ptr, h_ptr, N, I: tl.constexpr,
     COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr,
 ):
-    rows, valid, in_bounds = _row_block(num_rows_ptr, N, BLOCK_R)
+    rows, valid, _ = _row_block(num_rows_ptr, N, BLOCK_R)
     p = tl.load(probs_ptr + rows, mask=valid, other=0.0).to(COMPUTE)[:, None]
     ab_row = ab_ptr + rows.to(tl.int64)[:, None] * (2 * I)
     h_row = h_ptr + rows.to(tl.int64)[:, None] * I
@@ -49,7 +50,7 @@ def _swiglu_prob_fwd_kernel(
         a = tl.load(ab_row + cols, mask=read, other=0.0).to(COMPUTE)
         b = tl.load(ab_row + I + cols, mask=read, other=0.0).to(COMPUTE)
         h = a * tl.sigmoid(a) * b * p
-        tl.store(h_row + cols, round_to(h, h_ptr.dtype.element_ty), mask=in_bounds[:, None] & (cols < I))
+        tl.store(h_row + cols, round_to(h, h_ptr.dtype.element_ty), mask=read)
 
 
 @triton.autotune(configs=_CONFIGS, key=["I"])
@@ -67,7 +68,6 @@ def _swiglu_prob_bwd_kernel(
     for i0 in range(0, I, BLOCK_I):
         cols = (i0 + tl.arange(0, BLOCK_I))[None, :]
         read = valid[:, None] & (cols < I)
-        write = in_bounds[:, None] & (cols < I)
         a = tl.load(ab_row + cols, mask=read, other=0.0).to(COMPUTE)
         b = tl.load(ab_row + I + cols, mask=read, other=0.0).to(COMPUTE)
         dh = tl.load(dh_row + cols, mask=read, other=0.0).to(COMPUTE)
@@ -75,8 +75,8 @@ def _swiglu_prob_bwd_kernel(
         silu = a * sig
         dp += tl.sum(dh * silu * b, axis=1)
         dsilu = sig * (1.0 + a * (1.0 - sig))
-        tl.store(dab_row + cols, round_to(dh * p * b * dsilu, dab_ptr.dtype.element_ty), mask=write)
-        tl.store(dab_row + I + cols, round_to(dh * p * silu, dab_ptr.dtype.element_ty), mask=write)
+        tl.store(dab_row + cols, round_to(dh * p * b * dsilu, dab_ptr.dtype.element_ty), mask=read)
+        tl.store(dab_row + I + cols, round_to(dh * p * silu, dab_ptr.dtype.element_ty), mask=read)
     tl.store(dprobs_ptr + rows, dp.to(dprobs_ptr.dtype.element_ty), mask=in_bounds)
 
 
@@ -85,7 +85,7 @@ def _grid(N):
 
 
 def swiglu_prob_fwd(ab, probs, num_rows):
-    """ab [N, 2I], probs [N], num_rows [] or None -> h [N, I]."""
+    """ab [N, 2I], probs [N], num_rows [] or None -> h [N, I] (rows >= num_rows not written)."""
     ab, probs = ab.contiguous(), probs.contiguous()
     N, I = ab.shape[0], ab.shape[1] // 2
     h = torch.empty(N, I, dtype=ab.dtype, device=ab.device)
@@ -94,7 +94,7 @@ def swiglu_prob_fwd(ab, probs, num_rows):
 
 
 def swiglu_prob_bwd(dh, ab, probs, num_rows):
-    """-> dab [N, 2I] (zeros for rows >= num_rows), dprobs [N]."""
+    """-> dab [N, 2I] (rows >= num_rows not written), dprobs [N] (0 there)."""
     ab, probs = ab.contiguous(), probs.contiguous()
     N, I = ab.shape[0], ab.shape[1] // 2
     dab = torch.empty(N, 2 * I, dtype=ab.dtype, device=ab.device)

@@ -109,6 +109,34 @@ def test_idle_gaps_go_to_the_host_op_that_launched_the_work_ending_them(tmp_path
     assert table.index("| Optimizer.step#AdamW.step | aten::_fused_adamw_ | yes | 0.25 | 1.0 |") < table.index("| aten::mm | aten::mm |")
 
 
+def test_the_ranks_side_by_side_show_which_one_waits(tmp_path, capsys):
+    """Rank 1 is rank 0 with its GEMM 200 µs longer and its NCCL kernel 200 µs shorter (it arrives
+    last, so it waits less): the two kernels lead the table of differences, 0.1 ms a step each."""
+    folder = tmp_path / "profile_traces" / "iteration_6"
+    folder.mkdir(parents=True)
+    rank0 = crafted_trace(folder / "rank0_trace.json")
+    events = json.loads(rank0.read_text())["traceEvents"]
+    for e in events:
+        if e["name"].startswith("sm90_xmma_gemm"):
+            e["dur"] += 200
+        if e["name"].startswith("ncclDevKernel"):
+            e["dur"] -= 200
+    (folder / "rank1_trace.json").write_text(json.dumps({"traceEvents": events}))
+
+    profile = bench_train.profile_of(tmp_path, 6)  # rank 0's breakdown, both ranks' under by_rank
+    assert profile["steps"] == step_profile.breakdown(step_profile.load(rank0))["steps"]
+    assert sorted(profile["by_rank"]) == [0, 1]
+    table = step_profile.compare_ranks(profile["by_rank"], top=2)
+    assert "| GEMM ms | 0.15 | 0.25 |" in table and "| NCCL ms | 0.15 | 0.05 |" in table
+    differ = table.split("differs most")[1]
+    assert "| sm90_xmma_gemm_bf16bf16_bf16f32 | GEMM | 0.150 | 0.250 |" in differ
+    assert "| ncclDevKernel_AllToAll | NCCL | 0.150 | 0.050 |" in differ
+    assert "vectorized_elementwise" not in differ  # equal on both ranks
+
+    assert step_profile.main([str(rank0), str(folder / "rank1_trace.json")]) == 0
+    assert "the traces side by side" in capsys.readouterr().out
+
+
 def test_a_trace_without_steps_or_unreadable_is_refused_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"traceEvents": [event("aten::mm", "cpu_op", 0, 1)]}))

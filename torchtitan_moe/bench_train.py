@@ -25,7 +25,8 @@ one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buff
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
 breakdown to the report: GPU busy and idle, launches, host syncs, GPU time per kernel class, the
-top kernels and the idle time by the host op behind each gap (torchtitan_moe.step_profile).
+top kernels and the idle time by the host op behind each gap (torchtitan_moe.step_profile), from
+rank 0's trace, and the ranks side by side where there are several.
 """
 
 from __future__ import annotations
@@ -97,8 +98,13 @@ def profiling_overrides(steps: int) -> list[str]:
 
 
 def profile_of(dump: Path, steps: int) -> dict | None:
-    trace = dump / "profile_traces" / f"iteration_{steps}" / "rank0_trace.json"
-    return step_profile.breakdown(step_profile.load(trace)) if trace.exists() else None
+    """Rank 0's breakdown, with every rank's under "by_rank" when the run had several."""
+    traces = sorted((dump / "profile_traces" / f"iteration_{steps}").glob("rank*_trace.json"),
+                    key=lambda t: int(re.search(r"rank(\d+)_", t.name).group(1)))
+    by_rank = {int(re.search(r"rank(\d+)_", t.name).group(1)): step_profile.breakdown(step_profile.load(t)) for t in traces}
+    if 0 not in by_rank:
+        return None
+    return {**by_rank[0], "by_rank": by_rank} if len(by_rank) > 1 else by_rank[0]
 
 
 def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
@@ -316,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
         profile = results[v.name].get("profile")
         report += f"\n\n### {v.name}: step-time breakdown, rank 0, the last {PROFILED_STEPS} steps\n\n"
         report += step_profile.render(profile) if profile else "no trace was written (see its log)"
+        if profile and "by_rank" in profile:
+            report += "\n\nthe ranks side by side (a barrier's waiting shows on the rank that arrives first):\n\n"
+            report += step_profile.compare_ranks(profile["by_rank"])
     print(report)
     untimed = f", the last {PROFILED_STEPS + 1} (profiled) left out" if args.profile else ""
     header = (f"config: {args.config} {' '.join(args.extra)}\n"

@@ -1,6 +1,6 @@
 """Where a training step's time goes, from one rank's torch.profiler trace.
 
-    python -m torchtitan_moe.step_profile TRACE.json [--top 15] [--json OUT.json]
+    python -m torchtitan_moe.step_profile TRACE.json [TRACE.json ...] [--top 15] [--json OUT.json]
 
 TRACE is a chrome trace as torchtitan's `[profiling]` writes it
 (<dump>/<save_traces_folder>/iteration_N/rankR_trace.json; `bench_train --profile` turns it on).
@@ -21,6 +21,11 @@ that thread and the op that launched; "after a sync" where the host had just wai
 the gap is its time to launch again). A step's GPU work is taken to
 lie inside its host range, which holds when the step ends in a host sync (torchtitan's does when it
 logs the loss every step, as bench_train asks).
+
+Given several traces (rank0_trace.json, rank1_trace.json, ... of one run), it breaks down the first
+and then compares the ranks: wall, GPU busy and each class per rank, and the kernels whose time
+differs most between them. A collective or a dispatch barrier spins on the rank that arrives first,
+so one rank's extra GEMM time shows as another's waiting kernels (DeepEP's notify_dispatch, NCCL).
 """
 
 from __future__ import annotations
@@ -218,16 +223,39 @@ def render(result: dict, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def compare_ranks(by_rank: dict[int, dict], top: int = 8) -> str:
+    """by_rank: rank -> breakdown(). Per rank: mean wall, GPU busy and GPU time per class; then the
+    `top` kernels whose per-step time differs most between the ranks."""
+    ranks = sorted(by_rank)
+    head = "| | " + " | ".join(f"rank {r}" for r in ranks) + " |"
+    lines = [head, "|---|" + "---|" * len(ranks)]
+    for key, label in (("wall_ms", "wall ms"), ("gpu_busy_ms", "GPU busy ms")):
+        lines.append(f"| {label} | " + " | ".join(f"{by_rank[r]['mean'][key]:.2f}" for r in ranks) + " |")
+    classes = sorted({c for r in ranks for c in by_rank[r]["classes"]}, key=lambda c: -by_rank[ranks[0]]["classes"].get(c, 0.0))
+    for c in classes:
+        lines.append(f"| {c} ms | " + " | ".join(f"{by_rank[r]['classes'].get(c, 0.0):.2f}" for r in ranks) + " |")
+    names = {n for r in ranks for n in by_rank[r]["kernels"]}
+    ms = {n: [by_rank[r]["kernels"].get(n, {}).get("ms", 0.0) for r in ranks] for n in names}
+    spread = sorted(names, key=lambda n: -(max(ms[n]) - min(ms[n])))[:top]
+    lines += ["", f"the {top} kernels whose time differs most between the ranks (ms per step):", "",
+              "| kernel | class | " + " | ".join(f"rank {r}" for r in ranks) + " |", "|---|---|" + "---|" * len(ranks)]
+    for n in spread:
+        lines.append(f"| {n[:80]} | {kernel_class(n)} | " + " | ".join(f"{v:.3f}" for v in ms[n]) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.step_profile", description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace")
+    parser.add_argument("trace", nargs="+", help="one rank's trace, or every rank's (the first is broken down)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--json", default=None, help="also write the figures here")
     args = parser.parse_args(argv)
-    result = breakdown(load(args.trace))
-    print(render(result, args.top))
+    results = [breakdown(load(t)) for t in args.trace]
+    print(render(results[0], args.top))
+    if len(results) > 1:
+        print("\nthe traces side by side (rank = their order):\n\n" + compare_ranks(dict(enumerate(results))))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        Path(args.json).write_text(json.dumps(results[0] if len(results) == 1 else results, indent=1))
     return 0
 
 

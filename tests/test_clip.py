@@ -74,3 +74,12 @@ def test_an_optimizer_without_grad_scale_is_clipped_by_torchtitan():
     total = torch.stack([p.grad.norm() for p in net.parameters()]).norm()
     torch.testing.assert_close(total, torch.tensor(MAX_NORM), rtol=1e-5, atol=0)  # clipped in place
     optimizers.step()  # and the foreach AdamW steps (it refuses a grad_scale)
+
+
+def test_other_containers_keep_torchtitans_clip():
+    # e.g. optimizers that step in backward, before the clip: a grad_scale would reach the next step
+    class StepsElsewhere(OptimizersContainer):
+        pass
+
+    optimizers = StepsElsewhere([model()], torch.optim.AdamW, dict(lr=1e-2, fused=True))
+    assert clip_in_optimizer(optimizers, torchtitan_clip) is torchtitan_clip

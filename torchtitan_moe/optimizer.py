@@ -131,7 +131,10 @@ def clip_in_optimizer(optimizers, torchtitan_clip: Callable) -> Callable:
     multiplying the gradients, sets grad_scale = max(1, (norm + 1e-6) / max_norm) on the optimizers,
     whose next step divides by it (cleared after that step). `torchtitan_clip` runs instead where an
     optimizer cannot take a grad_scale, or for what this does not cover (pipeline parallelism, norms
-    other than 2)."""
+    other than 2), and for torchtitan's other containers (optimizers that step in backward, before
+    the clip, or under torchft)."""
+    if type(optimizers) is not OptimizersContainer:
+        return torchtitan_clip
     inner = optimizers.optimizers
 
     def clear(*args, **kwargs) -> None:

@@ -109,9 +109,9 @@ MUTATIONS = [
     M("swiglu_prob (triton): halve dprobs", "torchtitan_moe/ops/swiglu_prob_triton.py",
       "dp += tl.sum(dh * silu * b, axis=1)", "dp += 0.5 * tl.sum(dh * silu * b, axis=1)",
       ("tests/ops/test_swiglu_prob.py", "-k", "triton and dtype2")),  # dtype2: float32
-    M("swiglu_prob (triton): h written past num_rows", "torchtitan_moe/ops/swiglu_prob_triton.py",
-      "tl.store(h_row + cols, round_to(h, h_ptr.dtype.element_ty), mask=read)",
-      "tl.store(h_row + cols, round_to(h, h_ptr.dtype.element_ty), mask=cols < I)",
+    M("swiglu_prob (triton): dab written past num_rows", "torchtitan_moe/ops/swiglu_prob_triton.py",
+      "round_to(dh * p * b * dsilu, dab_ptr.dtype.element_ty), mask=read)",
+      "round_to(dh * p * b * dsilu, dab_ptr.dtype.element_ty), mask=in_bounds[:, None] & (cols < I))",
       ("tests/ops/test_swiglu_prob.py", "-k", "triton")),
     M("combine (torch): drop the probabilities", "torchtitan_moe/ops/combine.py",
       "out = out + (per_slot[:, k] if probs is None else per_slot[:, k] * probs[:, k, None])",

@@ -137,6 +137,26 @@ def test_the_ranks_side_by_side_show_which_one_waits(tmp_path, capsys):
     assert "the traces side by side" in capsys.readouterr().out
 
 
+def test_the_longest_step_is_explained_by_its_extra_kernels(tmp_path):
+    """Step 8 (1500 µs) runs the GEMM both steps run plus an all-reduce of 400 µs; step 7 (1000 µs)
+    only the GEMM: the all-reduce alone is step 8's extra, and the table says so."""
+    events = [
+        event("ProfilerStep#7", "user_annotation", 0, 1000),
+        event("ProfilerStep#8", "user_annotation", 1000, 1500),
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 100, 100, tid=7),
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 1100, 100, tid=7),
+        event("ncclDevKernel_AllReduce_Sum_f32", "kernel", 1300, 400, tid=20),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    result = step_profile.breakdown(step_profile.load(path))
+    assert result["longest_step_extra"] == [{"name": "ncclDevKernel_AllReduce_Sum_f32", "class": "NCCL",
+                                             "ms": pytest.approx(0.4), "steps": (8, 7)}]
+    table = step_profile.render(result)
+    assert "what step 8 (the longest) ran beyond step 7 (the shortest)" in table
+    assert "| ncclDevKernel_AllReduce_Sum_f32 | NCCL | 0.400 |" in table
+
+
 def test_a_trace_without_steps_or_unreadable_is_refused_in_one_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"traceEvents": [event("aten::mm", "cpu_op", 0, 1)]}))

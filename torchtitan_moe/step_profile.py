@@ -15,7 +15,8 @@ ProfilerStep#N is training step N + 1) and their mean, it prints:
              blocking cudaMemcpy), their count and the host time spent in them
 
 then the kernels with the most GPU time per step, each with its class (GEMM, NCCL, Triton ours,
-Triton compiled, elementwise/copy, other), the GPU time per class, and where the idle time goes: each
+Triton compiled, elementwise/copy, other), the GPU time per class, what the longest profiled step ran
+beyond the shortest (a logging or monitor step shows here), and where the idle time goes: each
 gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
 that thread and the op that launched; "after a sync" where the host had just waited for the GPU, so
 the gap is its time to launch again). A step's GPU work is taken to
@@ -131,7 +132,7 @@ def breakdown(events: list[Event]) -> dict:
                          "with a schedule (torchtitan's [profiling])?")
     gpu = [e for e in events if e.cat in GPU_CATEGORIES]
     host = [e for e in events if e.cat in HOST_CATEGORIES]
-    rows, kernels = [], defaultdict(lambda: [0.0, 0])
+    rows, kernels, by_step = [], defaultdict(lambda: [0.0, 0]), []
     for step in steps:
         inside = [(max(e.start, step.start), min(e.end, step.end)) for e in gpu if e.end > step.start and e.start < step.end]
         syncs = [e for e in host if e.name in SYNCS and step.start <= e.start < step.end]
@@ -142,10 +143,13 @@ def breakdown(events: list[Event]) -> dict:
             "gpu_idle_ms": wall - busy, "launches": sum(e.name in LAUNCHES and step.start <= e.start < step.end for e in host),
             "host_syncs": len(syncs), "host_sync_ms": sum(e.end - e.start for e in syncs) / 1e3,
         })
+        this_step = defaultdict(float)
         for e in gpu:
             if step.start <= e.start < step.end:
                 kernels[e.name][0] += (e.end - e.start) / 1e3
                 kernels[e.name][1] += 1
+                this_step[e.name] += (e.end - e.start) / 1e3
+        by_step.append(this_step)
     n = len(rows)
     per_step = {name: {"ms": ms / n, "calls": calls / n, "class": kernel_class(name)} for name, (ms, calls) in kernels.items()}
     classes = defaultdict(float)
@@ -155,7 +159,20 @@ def breakdown(events: list[Event]) -> dict:
     idle = [{**dict(zip(("host_op", "launch_op", "after_sync"), key)), "ms": ms / n, "gaps": count / n}
             for key, (ms, count) in idle_by_host_op(events, steps, gpu, host).items()]
     idle.sort(key=lambda r: -r["ms"])
-    return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle}
+    return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle,
+            "longest_step_extra": longest_step_extra(rows, by_step)}
+
+
+def longest_step_extra(rows: list[dict], by_step: list[dict], top: int = 8) -> list[dict]:
+    """The kernels that make the longest profiled step longer than the shortest one (a logging or
+    monitor step, an allocator retry, a straggling rank): [{name, class, ms}], most extra time first."""
+    if len(rows) < 2:
+        return []
+    longest = max(range(len(rows)), key=lambda i: rows[i]["wall_ms"])
+    shortest = min(range(len(rows)), key=lambda i: rows[i]["wall_ms"])
+    extra = {n: ms - by_step[shortest].get(n, 0.0) for n, ms in by_step[longest].items()}
+    return [{"name": n, "class": kernel_class(n), "ms": ms, "steps": (rows[longest]["step"], rows[shortest]["step"])}
+            for n, ms in sorted(extra.items(), key=lambda kv: -kv[1])[:top] if ms > 0]
 
 
 def idle_by_host_op(events: list[Event], steps: list[Event], gpu: list[Event], host: list[Event]) -> dict:
@@ -213,6 +230,11 @@ def render(result: dict, top: int = 15) -> str:
     lines += ["", f"top {top} kernels:", "", "| kernel | class | ms per step | calls per step | share |", "|---|---|---|---|---|"]
     for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["ms"])[:top]:
         lines.append(f"| {name[:80]} | {k['class']} | {k['ms']:.3f} | {k['calls']:.1f} | {100 * k['ms'] / kernel_ms:.1f}% |")
+    if result.get("longest_step_extra"):
+        longest, shortest = result["longest_step_extra"][0]["steps"]
+        lines += ["", f"what step {longest} (the longest) ran beyond step {shortest} (the shortest), by kernel:", "",
+                  "| kernel | class | extra ms |", "|---|---|---|"]
+        lines += [f"| {k['name'][:80]} | {k['class']} | {k['ms']:.3f} |" for k in result["longest_step_extra"]]
     if result.get("idle") and result["kernels"]:
         lines += ["", "GPU idle per step by the host op that launched the work ending each gap (outermost op on its "
                   "thread, the launching op; after a sync: the host had just waited for the GPU):", "",

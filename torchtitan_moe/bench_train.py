@@ -99,9 +99,9 @@ def profiling_overrides(steps: int) -> list[str]:
 
 def profile_of(dump: Path, steps: int) -> dict | None:
     """Rank 0's breakdown, with every rank's under "by_rank" when the run had several."""
-    traces = sorted((dump / "profile_traces" / f"iteration_{steps}").glob("rank*_trace.json"),
-                    key=lambda t: int(re.search(r"rank(\d+)_", t.name).group(1)))
-    by_rank = {int(re.search(r"rank(\d+)_", t.name).group(1)): step_profile.breakdown(step_profile.load(t)) for t in traces}
+    traces = {int(t.name.removeprefix("rank").removesuffix("_trace.json")): t
+              for t in (dump / "profile_traces" / f"iteration_{steps}").glob("rank*_trace.json")}
+    by_rank = {rank: step_profile.breakdown(step_profile.load(traces[rank])) for rank in sorted(traces)}
     if 0 not in by_rank:
         return None
     return {**by_rank[0], "by_rank": by_rank} if len(by_rank) > 1 else by_rank[0]

@@ -7,16 +7,17 @@ one rank (`efsdp` = 1). FSDP2 there shards nothing and reduces nothing, yet each
 fp32 weights into its all-gather buffer, all-gathers over one rank and copies them out (again
 for backward when it reshards after forward), and copies the bf16 gradients into an fp32 buffer
 to reduce-scatter them over one rank. Outside FSDP2 (parallelize.keep_experts_unsharded) the
-fp32 weights are cast in the GEMM op, again in backward when resharding ("recast"), and the
-gradient is cast back to fp32 once. One GPU stands for one rank of EP = 2: a one-process NCCL
+GEMMs read a bf16 working copy of the fp32 weights in forward and backward, cast once per step
+(after torch's AdamW) or written by our AdamW in its update (no cast in the step: 2 more bytes per
+weight written by the optimizer, outside what this times), and the gradient is cast back to fp32 once. One GPU stands for one rank of EP = 2: a one-process NCCL
 group gives FSDP2 its one-rank mesh. Per step, `layers` MoE layers' experts (Qwen3-30B-A3B at
 EP = 2 by default: 64 experts of dim 2048, expert dim 768) run forward and backward on `rows`
 expert-major rows (8192 tokens x top-8 over 2 ranks = 65536 at local batch 2).
 
   fsdp reshard       FSDP2 over the one-rank mesh, bf16 params, fp32 reduce (the path before)
   fsdp keep          the same, reshard_after_forward = False
-  outside recast     outside FSDP2, cast again in backward (the default: reshard_after_forward)
-  outside keep       outside FSDP2, the bf16 cast kept from forward to backward
+  outside cast       outside FSDP2, the working copies cast once in the step (torch's AdamW)
+  outside written    outside FSDP2, the working copies current (our AdamW wrote them)
   floor              bf16 weights and gradients: the GEMMs and swiglu alone, no cast, no copy
 
 Each row: median ms per step (triton.testing.do_bench), x the FSDP2 path in the same run, the
@@ -49,7 +50,7 @@ from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded  
 from torchtitan_moe.moe.experts import GroupedExperts  # noqa: E402
 from torchtitan_moe.seam import ExpertBatch  # noqa: E402
 
-VARIANTS = ("fsdp reshard", "fsdp keep", "outside recast", "outside keep", "floor")
+VARIANTS = ("fsdp reshard", "fsdp keep", "outside cast", "outside written", "floor")
 
 
 class Stack(nn.Module):
@@ -75,7 +76,7 @@ def build(variant: str, args, mesh) -> Stack:
         fully_shard(stack, mesh=mesh, mp_policy=mp)
     elif variant.startswith("outside"):
         for layer in stack.layers:
-            keep_experts_unsharded(layer, torch.bfloat16, reshard=variant == "outside recast")
+            keep_experts_unsharded(layer, torch.bfloat16)
     else:
         stack.to(torch.bfloat16)
     return stack
@@ -92,9 +93,12 @@ def expert_batch(rows: int, experts: int, dim: int) -> tuple[ExpertBatch, torch.
     return batch, torch.randn(rows, dim, device="cuda", generator=g)
 
 
-def step_fn(stack: Stack, batch: ExpertBatch, dy: torch.Tensor):
+def step_fn(stack: Stack, batch: ExpertBatch, dy: torch.Tensor, cast: bool):
     def step():
         stack.zero_grad(set_to_none=True)
+        if cast:  # as after an update that did not write the copies: the forward casts them
+            for layer in stack.layers:
+                layer.mark_working_stale()
         stack(batch, dy).backward()
     return step
 
@@ -132,7 +136,7 @@ def main() -> None:
         results, reference = {}, None
         for variant in VARIANTS:
             stack = build(variant, args, mesh)
-            step = step_fn(stack, batch, dy)
+            step = step_fn(stack, batch, dy, cast=variant == "outside cast")
             step()  # autotune, lazy init
             grads = first_layer_grads(stack)
             if variant != "floor":

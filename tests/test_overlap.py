@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
 from torchtitan_moe.moe.chunks import chunk_bounds, split_routing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,7 +231,7 @@ def test_backward_exchanges_run_on_the_communication_stream():
     run_ranks(order_worker, 1, "cuda")
 
 
-def kept_cast_worker(rank: int, world: int, port: int, failures):
+def working_copy_worker(rank: int, world: int, port: int, failures):
     with rank_group(rank, world, port, failures):
         results, kept = [], []
         for overlap in ("none", "chunks"):
@@ -239,8 +240,7 @@ def kept_cast_worker(rank: int, world: int, port: int, failures):
             layer.init_weights(out_std=0.1)
             layer.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD))
             layer.overlap = overlap
-            # As parallelize leaves experts whose FSDP group has one rank, with reshard_after_forward off.
-            layer.experts.param_dtype, layer.experts.recast_weights = torch.bfloat16, False
+            keep_experts_unsharded(layer.experts, torch.bfloat16)  # as parallelize leaves a one-rank FSDP group
             w13_shape = tuple(layer.experts.w13.transpose(-2, -1).shape)
             copies = []
 
@@ -253,17 +253,18 @@ def kept_cast_worker(rank: int, world: int, port: int, failures):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = layer(x)
             out.backward(torch.ones_like(out))
-            kept.append(len(set(copies)))
+            kept.append(set(copies))
+            working = layer.experts.working["w13"].untyped_storage().data_ptr()
+            assert kept[-1] == {working}, (kept[-1], working)  # the working copy, no cast of its own
             results.append((out.detach(), x.grad, layer.experts.w13.grad, layer.experts.w2.grad))
-        assert kept == [1, 1], kept  # one bf16 copy of w13 kept for backward, shared by the two chunks
         for name, a, b in zip(("out", "dx", "dw13", "dw2"), *results):
             assert_close_to_max(b, a, 2**-7, name)  # bf16 GEMMs over other row counts, two partial sums
 
 
-def test_chunks_share_one_kept_cast_of_the_experts_weights():
-    # Experts outside FSDP2 that keep their bf16 cast for backward: both chunks use one cast (a copy
-    # per chunk would keep two), and the results are the unchunked layer's to bf16 rounding.
-    run_ranks(kept_cast_worker, 1)
+def test_chunks_read_one_working_copy_of_the_experts_weights():
+    # Experts outside FSDP2: both chunks' GEMMs (forward and backward) read the one working copy, and
+    # the results are the unchunked layer's to bf16 rounding.
+    run_ranks(working_copy_worker, 1)
 
 
 def test_split_routing_counts_each_chunk_and_keeps_the_losses_whole():

@@ -32,6 +32,14 @@ RUNS = {
                  "--training.mixed_precision_param", "bfloat16"],
     "ep2_bf16_experts_in_fsdp": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
                                  "--training.mixed_precision_param", "bfloat16"],
+    # Our AdamW (bf16 moments) writes the experts' working copies in its update; under FSDP2 it updates
+    # the shard FSDP2 casts. The working-copy check runs at steps 2 and 4 (monitor steps).
+    "ep2_bf16_adamw": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
+                       "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype", "bfloat16",
+                       "--checks.monitor_freq", "2"],
+    "ep2_bf16_adamw_experts_in_fsdp": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
+                                       "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype",
+                                       "bfloat16", "--checks.monitor_freq", "2"],
     "recipe": ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
                "--training.global_batch_size", "32", "--router.balance_loss", "global_batch",
                "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001"],
@@ -141,16 +149,19 @@ def test_expert_parallel_bf16_mixed_precision(runs):
     assert len(records) == 4 and records[-1]["loss"] < records[0]["loss"]
 
 
-def test_experts_outside_fsdp_train_as_under_it_without_its_copies(runs, launched):
+@pytest.mark.parametrize("optimizer", ["torch", "ours"])
+def test_experts_outside_fsdp_train_as_under_it_without_its_copies(runs, launched, optimizer):
     # EP = 2 on 2 processes: the experts' FSDP group would have one rank. They stay outside FSDP2 (fp32
-    # master weights on the EP mesh, cast in the GEMM: no all-gather or reduce-scatter copies, issue 21)
-    # and train bit for bit as they did under FSDP2 (the same casts; a sum over one rank is exact).
-    layouts = {name: json.loads((launched / f"{name}.experts.json").read_text())
-               for name in ("ep2_bf16", "ep2_bf16_experts_in_fsdp")}
-    assert layouts["ep2_bf16"] == [{"fsdp": False, "mesh": ["ep"], "weight": "torch.float32",
-                                    "grad": "torch.float32"}] * 4, layouts["ep2_bf16"]
-    assert all(seen["fsdp"] for seen in layouts["ep2_bf16_experts_in_fsdp"]), layouts
-    outside, inside = runs["ep2_bf16"], runs["ep2_bf16_experts_in_fsdp"]
+    # master weights on the EP mesh and a bf16 working copy the GEMMs read: no all-gather or reduce-scatter
+    # copies, issue 21) and train bit for bit as they did under FSDP2 (the same casts; a sum over one rank
+    # is exact): torch's AdamW (the copies cast after each step) and ours (the copies written by the update).
+    name = {"torch": "ep2_bf16", "ours": "ep2_bf16_adamw"}[optimizer]
+    layouts = {n: json.loads((launched / f"{n}.experts.json").read_text()) for n in (name, f"{name}_experts_in_fsdp")}
+    assert layouts[name] == [{"fsdp": False, "mesh": ["ep"], "weight": "torch.float32",
+                              "grad": "torch.float32"}] * 4, layouts[name]
+    assert all(seen["fsdp"] for seen in layouts[f"{name}_experts_in_fsdp"]), layouts
+    outside, inside = runs[name], runs[f"{name}_experts_in_fsdp"]
+    assert len(outside) == 4
     assert [(r["loss"], r["grad_norm"]) for r in outside] == [(r["loss"], r["grad_norm"]) for r in inside]
 
 

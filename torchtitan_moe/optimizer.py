@@ -64,6 +64,7 @@ class AdamW(torch.optim.Optimizer):
                 loss = closure()
         index = 0  # the parameter's place in the optimizer: with the step, the seed of its rounding
         grad_scale = getattr(self, "grad_scale", None)  # set by clip_in_optimizer, as torch's AdamW reads it
+        working_copies = getattr(self, "working_copies", {})  # set by attach_working_copies
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -74,10 +75,15 @@ class AdamW(torch.optim.Optimizer):
                 state["step"] += 1
                 step = int(state["step"])
                 backend = "triton" if p.is_cuda else "torch"
+                experts, name = working_copies.get(p, (None, None))
+                working = experts.working_copy(name) if experts is not None else None
                 adamw_step_(_local(p), _local(p.grad).contiguous(), _local(state["exp_avg"]),
                             _local(state["exp_avg_sq"]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                            seed=(step * 1_000_003 + index) % 2**31, grad_scale=grad_scale, backend=backend)
+                            seed=(step * 1_000_003 + index) % 2**31, grad_scale=grad_scale, working=working,
+                            backend=backend)
+                if working is not None:
+                    experts.current.add(name)  # the copy is the new weight's cast: no cast before the next forward
         return loss
 
     def load_state_dict(self, state_dict) -> None:
@@ -98,6 +104,34 @@ def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=No
     kwargs = dict(lr=optimizer_config.lr, betas=(optimizer_config.beta1, optimizer_config.beta2),
                   eps=optimizer_config.eps, weight_decay=optimizer_config.weight_decay, moments_dtype=moments_dtype)
     return OptimizersContainer(model_parts, AdamW, kwargs)
+
+
+def attach_working_copies(optimizers, model_parts) -> None:
+    """Keep the experts' working copies (moe/experts.py) the casts of their weights across optimizer
+    steps: every step of `optimizers` (torchtitan's container) marks them stale first; our AdamW
+    writes each copy in its update and marks it current; after the step the copies still stale
+    (torch's AdamW) are cast, so that the forward finds them current."""
+    from torchtitan_moe.moe.experts import GroupedExperts
+
+    experts = [m for part in model_parts for m in part.modules()
+               if isinstance(m, GroupedExperts) and m.has_working_copies]
+    if not experts:
+        return
+
+    def mark_stale(*args, **kwargs) -> None:
+        for e in experts:
+            e.mark_working_stale()
+
+    def refresh(*args, **kwargs) -> None:
+        for e in experts:
+            e.refresh_working_copies()
+
+    optimizers.register_step_pre_hook(mark_stale)
+    optimizers.register_step_post_hook(refresh)
+    targets = {getattr(e, name): (e, name) for e in experts for name in e.WEIGHTS}
+    for optimizer in getattr(optimizers, "optimizers", [optimizers]):
+        if isinstance(optimizer, AdamW):
+            optimizer.working_copies = targets
 
 
 def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:

@@ -16,7 +16,7 @@ Memory, per GPU, from first principles (no term fitted to a measurement). It pre
     forward     bf16 compute copies of the weights (one process: autocast's copies of every matrix,
                 kept for the backward; FSDP2: two unsharded blocks in flight and the unsharded
                 output layer, which is not resharded after the forward; experts whose FSDP group
-                has one rank stay outside FSDP2 and are cast in their GEMM, one matrix at a time),
+                has one rank stay outside FSDP2 and keep a bf16 working copy of all their weights),
                 the activations each
                 layer keeps for its backward, the output layer's loss (ops.linear_cross_entropy:
                 the [N, V] bf16 logits overwritten by their gradient, and the gradients of h and of
@@ -234,9 +234,9 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
     else:  # two unsharded blocks in flight (the router all-gathered in fp32), the output layer kept
         copies = 2 * (2 * block + 4 * shape.experts * D) + 2 * V * D
         staging = 2 * (2 + 4) * block  # bf16 gradients + their fp32 reduce-scatter input, two blocks
-        if outside:  # grouped_mm's bf16 cast of one fp32 weight (w13, the largest) and its bf16 gradient
+        if outside:  # the bf16 working copies of every layer's experts, and one bf16 weight gradient (w13)
             w13 = 2 * (shape.experts // layout.ep) * 2 * shape.inter * D
-            copies, staging = copies + w13, staging + w13
+            copies, staging = copies + 2 * shape.n_layers * shape.expert_params / layout.ep, staging + w13
     ep = layout.ep
     received = T * ranks_per_token(shape, ep) if ep > 1 else 0.0  # rows per (token, rank), per rank
     slots = T * K

@@ -24,8 +24,9 @@ from torchtitan_moe.config_loader import load_job_config
 from torchtitan_moe.models import qwen3_moe
 from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
+from torchtitan_moe.moe.experts import stale_working_copies
 from torchtitan_moe.moe.layer import MoE
-from torchtitan_moe.optimizer import clip_in_optimizer
+from torchtitan_moe.optimizer import attach_working_copies, clip_in_optimizer
 from torchtitan_moe.torchtitan_compat import (
     Trainer,
     check_torchtitan_version,
@@ -70,6 +71,7 @@ class MoETrainer(Trainer):
             record_model_args(self.checkpointer, self.model_args, self.checkpointer.export_dtype)
         # Both models: a comparison of the two clips the same way.
         replace_clip_grad_norm(lambda torchtitan_clip: clip_in_optimizer(self.optimizers, torchtitan_clip))
+        attach_working_copies(self.optimizers, self.model_parts)
 
     def close(self) -> None:
         super().close()
@@ -124,6 +126,13 @@ class MoETrainer(Trainer):
     def train_step(self, data_iterator) -> None:
         self._local_losses = []
         super().train_step(data_iterator)
+        if self.metrics_processor.monitor.is_monitor_step(self.step):
+            # The experts' working copies the optimizer wrote must be the new weights' casts.
+            stale = [name for part in self.model_parts for name in stale_working_copies(part)]
+            if stale:
+                raise RuntimeError(f"step {self.step}: the experts' bf16 working copies of {', '.join(stale)} differ "
+                                   "from their fp32 weights (changed outside the optimizer's update?): training "
+                                   "would read stale weights")
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,

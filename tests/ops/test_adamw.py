@@ -78,6 +78,29 @@ def test_grad_scale_divides_the_gradient_and_leaves_it(moments, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_working_copy_is_the_new_param_cast_and_changes_nothing_else(moments, backend):
+    """`working` (experts' bf16 copy): the bits of casting the updated param (round to nearest even; the
+    interpreter's own cast truncates), nothing written past its end, and param and moments as without it."""
+    n = 5000
+    g0 = torch.Generator().manual_seed(11)
+    p, m, v = torch.randn(n, generator=g0), torch.randn(n, generator=g0) * 1e-2, torch.rand(n, generator=g0) * 1e-4
+    g = (torch.randn(n, generator=g0) * 1e-2).to(DEVICE)
+    p[:8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-130, 1e38, -0.0, 3.0, 1 + 2**-9])  # ties, tiny, huge
+    with_copy = [t.clone().to(DEVICE, d) for t, d in ((p, torch.float32), (m, moments), (v, moments))]
+    without = [t.clone() for t in with_copy]
+    buffer = torch.full((n + 64,), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    adamw_step_(with_copy[0], g, *with_copy[1:], **HYPER, step=2, seed=9, working=buffer[:n], backend=backend)
+    adamw_step_(without[0], g, *without[1:], **HYPER, step=2, seed=9, backend=backend)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), with_copy, without):
+        assert torch.equal(a, b), name
+    assert torch.equal(buffer[:n], with_copy[0].to(torch.bfloat16))
+    assert buffer[n:].isnan().all(), "working: written past its end"
+    with pytest.raises(ValueError, match="working must be a contiguous bfloat16/float16 tensor"):
+        adamw_step_(with_copy[0], g, *with_copy[1:], **HYPER, step=3, working=buffer[: n - 1], backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_bf16_moments_keep_updates_smaller_than_half_a_step_on_average(backend):
     # exp_avg_sq = 1 and g^2 = 1 + 2^-10 / (1 - beta2): the exact new value 1 + 2^-10 is an eighth of the
     # way to the next bf16 number (1 + 2^-7). Rounded to nearest, every element would stay 1 forever.

@@ -24,9 +24,8 @@ the ones it gets unchunked. What changes is summation order only where sums run 
 the experts' weight gradients are two GEMMs' sums added (fp32 order; in bf16 each is rounded to bf16
 first), and a GEMM's rows may round differently with another row count (tests/test_overlap.py).
 
-Costs besides the exchanges: the experts' weights are prepared once per chunk where FSDP2 unshards
-them per call (it reshards after forward) and where experts outside FSDP2 recast them (twice the
-casts); outside FSDP2 with the cast kept, one cast serves both chunks (GroupedExperts.shared_weights).
+Costs besides the exchanges: under FSDP2 the experts' weights are prepared once per chunk where it
+unshards them per call (it reshards after forward); experts outside FSDP2 read one working copy in both.
 
 Backward: autograd runs each exchange's backward on the stream its forward ran on (all_to_all:
 the communication stream, the engine making the consumer wait on an event) and runs ready nodes
@@ -83,9 +82,8 @@ def chunked_forward(dispatcher, experts, tokens: torch.Tensor, routing: Routing)
         handle = dispatcher.start_dispatch(tokens[start:end], part, chunk=chunk)
         handle.send()  # before the other chunk's experts are queued, so it runs under them
         pending.append(handle)
-    weights = experts.shared_weights(tokens.device)  # one kept cast for both chunks, where there is one
     combines = []
     for handle in pending:
         batch = handle.wait()
-        combines.append(dispatcher.start_combine(experts(batch, weights), batch))
+        combines.append(dispatcher.start_combine(experts(batch), batch))
     return torch.cat([c.wait() for c in combines])

@@ -6,6 +6,11 @@
 w13 [E, 2I, D] holds w1 (gate, rows :I) and w3 (up, rows I:) so one GEMM produces both
 halves side by side, the layout swiglu_prob reads contiguously. The router probability is
 applied inside swiglu_prob, before w2, so its gradient reaches the router from there.
+
+Experts outside FSDP2 (parallelize: their FSDP group would have one rank) keep fp32 master weights,
+the optimizer's, and a bf16 working copy of them that the GEMMs read: cast before a forward when
+the weights changed, or written by the optimizer in its update (optimizer.py), so no step casts
+them more than once and the backward reads the forward's copy. The gradient reaches the master in fp32.
 """
 
 from __future__ import annotations
@@ -34,7 +39,23 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
     return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
 
 
+class _WorkingCopy(torch.autograd.Function):
+    """master [*] (fp32, trained) -> working [*] (its bf16 copy, current): the forward reads the copy,
+    the gradient reaches master in master's dtype, as through master.to(working.dtype)."""
+
+    @staticmethod
+    def forward(ctx, master: torch.Tensor, working: torch.Tensor) -> torch.Tensor:
+        ctx.master_dtype = master.dtype
+        return working.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.to(ctx.master_dtype), None
+
+
 class GroupedExperts(nn.Module):
+    WEIGHTS = ("w13", "w2")
+
     def __init__(self, dim: int, inter_dim: int, num_experts: int, kernels: str = "torch"):
         super().__init__()
         self.num_experts = num_experts
@@ -43,15 +64,17 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * inter_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, inter_dim))
         # Set by parallelize when the experts stay outside FSDP2 (their group would have one rank):
-        # the GEMMs' dtype (FSDP2's param_dtype), and whether the cast copy of the fp32 weights
-        # is made again in backward rather than kept (FSDP2's reshard_after_forward).
+        # the GEMMs' dtype (FSDP2's param_dtype), in which working copies of the weights are kept.
         self.param_dtype: torch.dtype | None = None
-        self.recast_weights = False
+        self.working: dict[str, torch.Tensor] = {}  # name -> working copy of this rank's shard
+        self.current: set[str] = set()  # the names whose working copy equals the master's cast
+        self.register_load_state_dict_post_hook(lambda module, keys: module.mark_working_stale())
 
     def init_weights(self, out_std: float) -> None:
         """w13 at std 0.02; w2, an output projection, at the depth-scaled `out_std`."""
         nn.init.trunc_normal_(self.w13, std=0.02, a=-0.06, b=0.06)
         nn.init.trunc_normal_(self.w2, std=out_std, a=-3 * out_std, b=3 * out_std)
+        self.mark_working_stale()
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The dtype of the experts' GEMMs: autocast's where autocast is on, else `param_dtype`
@@ -59,28 +82,80 @@ class GroupedExperts(nn.Module):
         dtype: read it inside forward)."""
         return autocast_dtype(device) or self.param_dtype or self.w13.dtype
 
+    @property
+    def has_working_copies(self) -> bool:
+        """Outside FSDP2 with GEMMs in a lower precision than the weights' (fp32 GEMMs read the weights)."""
+        return self.param_dtype is not None and self.param_dtype != self.w13.dtype
+
+    def mark_working_stale(self) -> None:
+        """The master weights change by other means than an update that writes the copies: the next
+        refresh casts them (the optimizer's step, a checkpoint load, init_weights call this)."""
+        self.current.clear()
+
+    @torch.no_grad()
+    def refresh_working_copies(self) -> None:
+        """Cast the master weights whose working copy is not current (none under FSDP2 or autocast).
+        Called after each optimizer step (optimizer.attach_working_copies) and before every forward: by
+        the model's pre-forward hook (parallelize) where the blocks are compiled, by forward itself
+        where it runs eagerly; a call with nothing stale costs a set lookup."""
+        if not self.has_working_copies:
+            return
+        for name in self.WEIGHTS:
+            if name in self.current:
+                continue
+            master = _local(getattr(self, name).detach())
+            copy = self.working.get(name)
+            if copy is None or copy.shape != master.shape or copy.device != master.device:
+                copy = self.working[name] = torch.empty_like(master, dtype=self.param_dtype,
+                                                             memory_format=torch.contiguous_format)
+            copy.copy_(master)
+            self.current.add(name)
+
+    def working_copy(self, name: str) -> torch.Tensor | None:
+        """The working copy of weight `name` for the optimizer to write in its update, where there is one."""
+        return self.working.get(name)
+
     def gemm_weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13, w2) as the GEMMs take them: this rank's shard in the compute dtype, or the fp32
-        master weights where grouped_mm casts them itself (recast_weights)."""
+        """(w13, w2) as the GEMMs take them: this rank's shard in the compute dtype, autograd-connected
+        to the weights; outside FSDP2 the working copies (current: see refresh_working_copies)."""
         w13, w2 = _local(self.w13), _local(self.w2)
-        if self.recast_weights:  # grouped_mm casts them, in forward and again in backward
-            return w13, w2
+        if self.has_working_copies and autocast_dtype(device) is None:
+            return _WorkingCopy.apply(w13, self.working["w13"]), _WorkingCopy.apply(w2, self.working["w2"])
         dtype = self.compute_dtype(device)
         return w13.to(dtype), w2.to(dtype)  # autograd keeps the cast copies for backward
 
-    def shared_weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The weights for several calls of one layer forward (moe/chunks.py), or None: each call
-        prepares its own. Shared only outside FSDP2 with the cast kept (`param_dtype` set, not
-        recasting): one kept copy for all calls instead of one per call. Under FSDP2 the weights
-        are whole only inside a call; recasting keeps no copy to share."""
-        return self.gemm_weights(device) if self.param_dtype is not None and not self.recast_weights else None
-
-    def forward(self, batch: ExpertBatch, weights: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined. `weights`:
-        from shared_weights, else this call's gemm_weights."""
+    def forward(self, batch: ExpertBatch) -> torch.Tensor:
+        """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""
+        if not torch.compiler.is_compiling():
+            self.refresh_working_copies()
         dtype = self.compute_dtype(batch.x.device)
-        w13, w2 = weights or self.gemm_weights(batch.x.device)
+        w13, w2 = self.gemm_weights(batch.x.device)
         x = batch.x.to(dtype)
         ab = ops.grouped_mm(x, w13.transpose(-2, -1), batch.offsets)
         h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)
         return ops.grouped_mm(h, w2.transpose(-2, -1), batch.offsets)
+
+
+@torch.no_grad()
+def refresh_working_copies(model: nn.Module, *args) -> None:
+    """A model forward pre-hook: every GroupedExperts' working copies current before the (compiled) blocks run."""
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.refresh_working_copies()
+
+
+@torch.no_grad()
+def stale_working_copies(model: nn.Module) -> list[str]:
+    """The working copies whose bits differ from their master weight's cast (between optimizer steps all
+    are current: a weight changed behind the experts' back): a training-health check, one host sync."""
+    checks = []
+    for path, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for name in sorted(module.working):
+                cast = _local(getattr(module, name).detach()).to(module.param_dtype)
+                differ = (module.working[name].view(torch.int16) != cast.view(torch.int16)).any()
+                checks.append((f"{path}.{name}" if path else name, differ))
+    if not checks:
+        return []
+    flags = torch.stack([differ for _, differ in checks]).tolist()
+    return [name for (name, _), differ in zip(checks, flags) if differ]

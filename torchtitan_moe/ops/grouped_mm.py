@@ -1,8 +1,7 @@
 """grouped_mm: the experts' GEMM, y[r] = x[r] @ w[e] for the rows r of expert e's group.
 
     x        [N, D]     rows in expert-major order (rows >= offsets[-1] are never read)
-    w        [E, D, F]  one matrix per expert (a transposed view of the weight is fine); x's
-                        dtype, or a float32 master weight for bf16/fp16 x (see below)
+    w        [E, D, F]  one matrix per expert (a transposed view of the weight is fine), x's dtype
     offsets  [E] int32  END row of each expert's group (ops.routing_index's offsets)
     -> y     [N, F]     rows >= offsets[-1] are left undefined
 
@@ -12,11 +11,6 @@ compile for float32 (its meta function asks for bf16, though the CPU kernel take
 and its backward is two more grouped GEMMs, which this op's backward calls by name:
 
     dx = grouped_mm(dy, w^T)    dw[e] = x[group e]^T @ dy[group e]   (grouped_mm_weight)
-
-A float32 `w` with bf16 (fp16) `x` is cast to x's dtype inside the op, in the forward and again
-in the backward, and dw comes back in float32: no low-precision copy of the weight lives from
-forward to backward. This is how experts outside FSDP2 (a one-rank group) reshard after forward:
-one cast each way instead of FSDP2's cast, all-gather and copy-out, then copy-in and reduce-scatter.
 
 dw is computed in w's memory layout (for a transposed view of an [E, F, D] weight, as
 dy^T @ x, then viewed back), so accumulating it never transposes a whole weight.
@@ -32,9 +26,8 @@ from ._library import custom_op
 def _check_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None:
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[1]:
         raise ValueError(f"grouped_mm: x must be [N, D] and w [E, D, F], got {tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype != w.dtype and not (w.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)):
-        raise ValueError(f"grouped_mm: w must have x's dtype or be float32 master weights for bf16/fp16 x, "
-                         f"got x {x.dtype} and w {w.dtype}")
+    if x.dtype != w.dtype:
+        raise ValueError(f"grouped_mm: w must have x's dtype, got x {x.dtype} and w {w.dtype}")
     if offsets.dim() != 1 or offsets.shape[0] != w.shape[0] or offsets.dtype != torch.int32:
         raise ValueError(f"grouped_mm: offsets must be int32 [E = {w.shape[0]}], got {tuple(offsets.shape)} {offsets.dtype}")
     if not x.device == w.device == offsets.device:
@@ -43,7 +36,7 @@ def _check_args(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> None
 
 @custom_op("torchtitan_moe::grouped_mm")
 def _grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    return torch._grouped_mm(x.contiguous(), w.to(x.dtype), offs=offsets)
+    return torch._grouped_mm(x.contiguous(), w, offs=offsets)
 
 
 @_grouped_mm.register_fake
@@ -81,7 +74,6 @@ def _backward(ctx, dy):
             dw = _grouped_mm_weight(dy, x, offsets).transpose(-2, -1)
         else:
             dw = _grouped_mm_weight(x, dy, offsets)
-        dw = dw.to(w.dtype)  # a master weight's gradient: torch._grouped_mm has no fp32 output for bf16
     return dx, dw, None
 
 

@@ -17,6 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from torchtitan_moe.moe.experts import refresh_working_copies
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
@@ -107,7 +108,7 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
             edp_names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
             edp_mesh = parallel_dims.get_mesh(edp_names)
             if experts_outside_fsdp(edp_mesh):
-                keep_experts_unsharded(moe.experts, mp.param_dtype, reshard)
+                keep_experts_unsharded(moe.experts, mp.param_dtype)
                 unsharded_experts |= set(moe.experts.parameters())
             else:
                 shard_experts(moe.experts, edp_mesh, ep, mp, reshard)
@@ -115,6 +116,8 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
                     ignored_params=unsharded_experts & set(block.parameters()))
     fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=unsharded_experts)
+    if unsharded_experts:  # their working copies current before the (compiled) blocks read them
+        model.register_forward_pre_hook(refresh_working_copies)
 
     # The loss is already divided by the global token count: FSDP must only sum.
     for module in model.modules():
@@ -142,15 +145,16 @@ def experts_outside_fsdp(edp_mesh) -> bool:
     return edp_mesh.size() == 1
 
 
-def keep_experts_unsharded(experts: nn.Module, param_dtype: torch.dtype, reshard: bool) -> None:
+def keep_experts_unsharded(experts: nn.Module, param_dtype: torch.dtype) -> None:
     """Experts whose FSDP group would have one rank (EP = the replica's processes) stay outside FSDP2.
 
     There FSDP2 shards nothing and reduces nothing, yet per step it would cast the fp32 weights
     into its all-gather buffer, "all-gather" and copy them out (again for backward when it
     reshards), and copy the bf16 gradients into an fp32 buffer to "reduce-scatter" them. Here
-    the fp32 weights (the optimizer's master copy, EP-sharded DTensors) are cast once in the
-    GEMM, again in backward when resharding after forward (`grouped_mm` takes them as they are),
-    and their gradients come back in fp32 from that cast's backward.
+    the fp32 weights (the optimizer's master copy, EP-sharded DTensors) keep a working copy in
+    `param_dtype` that the GEMMs read in forward and backward: cast once after each update, or
+    written by the update itself where the optimizer can (ours, optimizer.attach_working_copies).
+    Their gradients come back in fp32. The copy lives between steps (2 bytes per expert weight on
+    this rank), whatever `fsdp_reshard_after_forward` says: it is what saves the casts.
     """
     experts.param_dtype = param_dtype
-    experts.recast_weights = reshard

@@ -1,0 +1,146 @@
+"""The experts' bf16 working copies (experts outside FSDP2, moe/experts.py): the GEMMs read them in forward
+and backward with the bits of a cast, they are cast again only when the fp32 weights changed, and our
+AdamW writes them in its update (optimizer.attach_working_copies). The two-process training runs
+(tests/test_train_cpu.py) check whole steps against the experts under FSDP2, bit for bit."""
+
+import pytest
+import torch
+from torch import nn
+
+from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
+from torchtitan_moe.moe.experts import GroupedExperts, refresh_working_copies, stale_working_copies
+from torchtitan_moe.optimizer import AdamW, attach_working_copies
+from torchtitan_moe.seam import ExpertBatch
+from torchtitan_moe.torchtitan_compat import OptimizersContainer
+
+E, D, I, N = 4, 16, 8, 24
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def experts_and_batch(seed: int = 0, working: bool = True):
+    torch.manual_seed(seed)
+    experts = GroupedExperts(D, I, E).to(DEVICE)
+    experts.init_weights(out_std=0.1)
+    if working:
+        keep_experts_unsharded(experts, torch.bfloat16)
+    offsets = torch.tensor([5, 5, 17, 20], dtype=torch.int32, device=DEVICE)  # an expert without rows, 4 tail rows
+    x = torch.randn(N, D).to(DEVICE, torch.bfloat16)
+    probs = torch.rand(N, device=DEVICE)
+    probs[20:] = 0
+    return experts, ExpertBatch(x=x, probs=probs, offsets=offsets, num_rows=torch.tensor(20, device=DEVICE),
+                                tokens_per_expert=torch.tensor([5, 0, 12, 3], device=DEVICE), ctx=None)
+
+
+def cast_reference(experts: GroupedExperts, batch: ExpertBatch):
+    """The layer with its weights cast in the forward (autograd keeping the casts): what the copies replace."""
+    from torchtitan_moe import ops
+
+    w13, w2 = experts.w13.to(torch.bfloat16), experts.w2.to(torch.bfloat16)
+    ab = ops.grouped_mm(batch.x, w13.transpose(-2, -1), batch.offsets)
+    h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=experts.kernels)
+    return ops.grouped_mm(h, w2.transpose(-2, -1), batch.offsets)
+
+
+def step_results(experts: GroupedExperts, batch: ExpertBatch, fn) -> list[torch.Tensor]:
+    experts.zero_grad()
+    y = fn(batch)[:20]
+    y.backward(torch.ones_like(y))
+    return [y.detach(), experts.w13.grad.clone(), experts.w2.grad.clone()]
+
+
+def test_the_gemms_read_the_working_copies_with_a_casts_bits():
+    experts, batch = experts_and_batch()
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ours = step_results(experts, batch, experts)
+    theirs = step_results(experts, batch, lambda b: cast_reference(experts, b))
+    for name, a, b in zip(("y", "dw13", "dw2"), ours, theirs):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert ours[1].dtype == torch.float32 and ours[1].stride() == experts.w13.stride()
+    # backward reads the working copies: no other bf16 tensor of a weight's size is kept
+    copies = {experts.working[n].untyped_storage().data_ptr() for n in ("w13", "w2")}
+    weight_sized = {t.untyped_storage().data_ptr() for t in saved if t.numel() in (experts.w13.numel(), experts.w2.numel())}
+    assert weight_sized == copies, (weight_sized, copies)
+    assert experts.current == {"w13", "w2"} and stale_working_copies(experts) == []
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "init_weights", "optimizer_step"])
+def test_weights_changed_are_cast_again_before_the_next_forward(change):
+    experts, batch = experts_and_batch()
+    experts(batch)  # copies cast and current
+    new, _ = experts_and_batch(seed=1, working=False)
+    if change == "load_state_dict":
+        experts.load_state_dict(new.state_dict())
+    elif change == "init_weights":
+        torch.manual_seed(1)
+        experts.init_weights(out_std=0.1)
+    else:  # torch's AdamW does not write the copies: cast after its step
+        optimizers = OptimizersContainer([experts], torch.optim.AdamW, dict(lr=0.5))
+        attach_working_copies(optimizers, [experts])
+        step_results(experts, batch, experts)
+        casts = []
+        experts.refresh_working_copies = lambda: casts.append(sorted(experts.current))
+        optimizers.step()
+        del experts.refresh_working_copies
+        assert casts == [[]]  # stale, and cast right after the step
+    assert experts.current == set()
+    ours = step_results(experts, batch, experts)
+    theirs = step_results(experts, batch, lambda b: cast_reference(experts, b))
+    for name, a, b in zip(("y", "dw13", "dw2"), ours, theirs):
+        assert torch.equal(a, b), name
+
+
+def test_our_adamw_writes_the_copies_and_the_next_forward_casts_nothing(monkeypatch):
+    experts, batch = experts_and_batch()
+    other = GroupedExperts(D, I, E).to(DEVICE)  # outside the optimizer's model: no copies attached
+    optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5, moments_dtype=torch.bfloat16))
+    attach_working_copies(optimizers, [experts, other])
+    for _ in range(3):
+        step_results(experts, batch, experts)
+        optimizers.step()
+        assert experts.current == {"w13", "w2"}  # written by the update
+        assert stale_working_copies(experts) == []
+        for name in ("w13", "w2"):
+            assert torch.equal(experts.working[name], getattr(experts, name).detach().to(torch.bfloat16)), name
+    casts = []
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, *a, **k: casts.append(self.shape))
+    experts(batch)
+    assert casts == []
+
+
+def test_a_copy_out_of_step_with_its_weight_is_named():
+    experts, batch = experts_and_batch()
+    experts(batch)
+    with torch.no_grad():
+        experts.w2.data.mul_(2)  # behind the experts' back: .data writes are not seen
+    assert stale_working_copies(nn.ModuleDict({"moe": experts})) == ["moe.w2"]
+
+
+def test_compiled_blocks_read_copies_made_by_the_models_pre_forward_hook():
+    experts, batch = experts_and_batch()
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = experts
+
+        def forward(self, b):
+            return self.block(b)
+
+    model = Model()
+    model.block.compile(backend="aot_eager", fullgraph=True)
+    model.register_forward_pre_hook(refresh_working_copies)
+    optimizers = OptimizersContainer([model], torch.optim.AdamW, dict(lr=0.5))
+    attach_working_copies(optimizers, [model])
+    for _ in range(2):  # the second forward after an update: its copies cast by the hook, outside the graph
+        ours = step_results(experts, batch, model)
+        theirs = step_results(experts, batch, lambda b: cast_reference(experts, b))
+        for name, a, b in zip(("y", "dw13", "dw2"), ours, theirs):
+            assert torch.equal(a, b), name
+        step_results(experts, batch, model)
+        optimizers.step()

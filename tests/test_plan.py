@@ -19,20 +19,17 @@ SHAPE_8L = Shape.of(flavor_args("30b-a3b-8l"))
 
 # bench_train's peak memory (torch's max reserved, GiB), 30b-a3b-8l, seq 4096, learned router, H200, AC none
 # (configs/qwen3_30b_a3b_8l.toml). (GPUs, EP, local batch, moments bytes, [dispatch] buffers, GiB, run)
-# EP = 2: worklogs/2026-11-26-ep2-step-h200x2.md (8f01d2d and 385075f: experts outside FSDP2, their FSDP
-# group having one rank). The EP = 2 peaks before 385075f (2c40531, e61fe77, 5faf98a: the experts under
-# FSDP2 on a one-rank group, 59.3-66.8 GiB) are of a layout the code no longer has: left out.
+# EP = 2: worklogs/2026-11-26-session3-h200x2.md (b8c6231: experts outside FSDP2 with bf16 working copies of
+# their weights, the layout the code has). The EP = 2 peaks before it (experts under FSDP2 on a one-rank group
+# before 385075f, 59.3-66.8 GiB; outside FSDP2 cast per use at 8f01d2d and 385075f, 54.6-66.8 GiB) are of
+# layouts the code no longer has: left out.
 # EP = 1: the issue (2026-11-24). The 2026-11-23 EP = 1 peaks (100.7 eager, 97.5 compiled) predate the
 # loss op the model counts: left out.
 MEASURED = [
-    (2, 2, 4, 8, "worst_case", 65.3, "8f01d2d deepep eager"),
-    (2, 2, 4, 8, "worst_case", 66.8, "8f01d2d all_to_all eager"),
-    (2, 2, 4, 8, "worst_case", 65.7, "8f01d2d deepep compiled"),
-    (2, 2, 4, 8, "worst_case", 65.5, "8f01d2d deepep eager, call 2"),
-    (2, 2, 4, 8, "worst_case", 66.3, "8f01d2d all_to_all eager, call 2"),
-    (2, 2, 4, 8, "worst_case", 65.1, "8f01d2d deepep compiled, call 4"),
-    (2, 2, 4, 8, "worst_case", 65.3, "385075f deepep eager"),
-    (2, 2, 2, 8, "worst_case", 54.6, "8f01d2d deepep eager"),
+    (2, 2, 4, 8, "worst_case", 69.3, "b8c6231 deepep compiled"),
+    (2, 2, 4, 4, "worst_case", 59.7, "b8c6231 deepep compiled, bf16 moments"),
+    (2, 2, 4, 4, "worst_case", 59.0, "b8c6231 deepep compiled, bf16 moments, call 3"),
+    (2, 2, 4, 4, "worst_case", 58.8, "b8c6231 deepep compiled, bf16 moments, call 3 again"),
     (1, 1, 2, 8, "exact", 98.5, "2026-11-24 eager"),
     (1, 1, 4, 8, "exact", 109.9, "2026-11-24 eager"),
     (1, 1, 2, 4, "exact", 77.1, "2026-11-24 eager, bf16 moments"),

@@ -133,3 +133,38 @@ def test_log_freq_is_passed_to_every_run_and_the_medians_take_the_logged_steps(t
     for bad in (["--log-freq", "0"], ["--log-freq", "40"], ["--log-freq", "10", "--warmup", "30"]):
         with pytest.raises(SystemExit):
             bench_train.parse_args(["configs/debug.toml", "--steps", "30", *bad])
+
+
+def test_repeat_trains_rounds_of_every_variant_and_reports_medians_ranges_and_round_ratios(tmp_path, monkeypatch):
+    from torchtitan_moe import bench_train
+
+    order = []
+    # Round r's machine speed is 1000 * (1, 0.9, 1.1)[r]; bf16 moments are 10% faster in every round.
+    speed = {1: 1000.0, 2: 900.0, 3: 1100.0}
+
+    def fake_training(config, dump, overrides, nproc, log):
+        round_ = int(dump.name.rsplit("_run", 1)[1])
+        chunks = "bfloat16" in overrides
+        order.append((round_, chunks))
+        dump.mkdir(parents=True, exist_ok=True)
+        tps = speed[round_] * (1.1 if chunks else 1.0)
+        rows = [{"step": s, "loss": 5.0, "throughput(tps)": tps, "tflops": 1.0, "memory/max_reserved(GiB)": float(round_)}
+                for s in (1, 2, 3)]
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return 0
+
+    monkeypatch.setattr(bench_train, "run_training", fake_training)
+    code = main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager", "--routers", "learned",
+                 "--steps", "3", "--warmup", "1", "--nproc", "1", "--repeat", "3", "--vary",
+                 "optimizer.moments_dtype=float32,bfloat16", "--out", str(tmp_path)])
+    assert code == 0
+    assert order == [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]  # interleaved rounds
+    results = json.loads((tmp_path / "bench_train.json").read_text())
+    plain = results["ours/local learned eager optimizer.moments_dtype=float32"]
+    assert plain["tps"] == 1000.0 and plain["tps_runs"] == [1000.0, 900.0, 1100.0] and plain["memory_gib"] == 3.0
+    report = (tmp_path / "bench_train.md").read_text()
+    assert "| ours/local learned eager optimizer.moments_dtype=float32 | 1,000 (900-1,100, 3 runs) |" in report
+    assert "| 1.100x (1.100-1.100) |" in report  # each round against its own round: the machine's swing cancels
+    assert "3 rounds of every variant" in report
+    with pytest.raises(SystemExit):
+        bench_train.parse_args(["configs/debug.toml", "--repeat", "0"])

@@ -3,7 +3,7 @@
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
         [--modes eager,compiled] [--grad-accum 1,8] [--vary section.key=v1,v2 ...] [--log-freq 1]
-        [--profile] [--out DIR] [-- --section.key value ...]
+        [--repeat 1] [--profile] [--out DIR] [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
@@ -21,6 +21,11 @@ its log, and the others still run. torchtitan's MoE runs on CUDA only.
 values (torchtitan's once, as configured) and adds a table of each combination against the first
 one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buffers=exact,worst_case`,
 `--vary optimizer.moments_dtype=float32,bfloat16`. Every combination is checked as a config first.
+
+--repeat K trains every variant K times, in K rounds of all variants (so a slow spell of the machine falls on
+every variant alike): the table gives the median of the runs' tokens/s with their range, and --vary's
+ratios are the median of each round's ratio, with their range. On 2 H200s one setting's runs spread by up to 6%
+(worklogs/2026-11-26-session3-h200x2.md): a change of 1-2% needs several rounds to show.
 
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
@@ -124,6 +129,27 @@ def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
     return result
 
 
+def combine_runs(runs: list[dict]) -> dict:
+    """One variant's --repeat runs as one result: medians of tokens/s, TFLOP/s and MFU, the largest
+    peak memory, the first run's losses (same seed and tokens), each run's tokens/s under "tps_runs",
+    and the last run's profile."""
+    if len(runs) == 1:
+        return runs[0]
+    result = {**runs[0], "memory_gib": max(r["memory_gib"] for r in runs), "tps_runs": [r["tps"] for r in runs]}
+    for key in ("tps", "tflops", "mfu"):
+        if key in runs[0]:
+            result[key] = statistics.median(r[key] for r in runs)
+    if "profile" in runs[-1]:
+        result["profile"] = runs[-1]["profile"]
+    return result
+
+
+def tps_cell(r: dict) -> str:
+    """tokens/s/GPU, with the range and count of the runs behind a --repeat median."""
+    runs = r.get("tps_runs", [])
+    return f"{r['tps']:,.0f}" + (f" ({min(runs):,.0f}-{max(runs):,.0f}, {len(runs)} runs)" if len(runs) > 1 else "")
+
+
 def ratio(value: float, base: dict | None) -> str:
     return f"{value / base['tps']:.2f}x" if base and "tps" in base else "-"
 
@@ -139,21 +165,25 @@ def table(variants: list[Variant], results: dict[str, dict]) -> str:
         eager = results.get(dataclasses.replace(v, model="torchtitan", mode="eager", vary=()).name)
         compiled = results.get(dataclasses.replace(v, model="torchtitan", mode="compiled", vary=()).name)
         mfu = f"{r['mfu']:.1f}%" if "mfu" in r else "-"
-        lines.append(f"| {v.name} | {r['tps']:,.0f} | {r['tflops']:.1f} | {mfu} | {r['memory_gib']:.1f} | "
+        lines.append(f"| {v.name} | {tps_cell(r)} | {r['tflops']:.1f} | {mfu} | {r['memory_gib']:.1f} | "
                      f"{r['final_loss']:.4f} | {ratio(r['tps'], eager)} | {ratio(r['tps'], compiled)} |")
     return "\n".join(lines)
 
 
 def vary_gain(variants: list[Variant], results: dict[str, dict], first: tuple[tuple[str, str], ...]) -> str:
     """Each of our variants with another --vary combination against the same variant with the first
-    combination: tokens/s and final loss."""
+    combination: tokens/s and final loss. With --repeat, the ratio is the median of the rounds' ratios
+    (each run against the same round's run of the first combination), with their range."""
     lines = []
     for v in variants:
         base = results.get(dataclasses.replace(v, vary=first).name, {})
         mine = results.get(v.name, {})
         if not v.vary or v.vary == first or "tps" not in base or "tps" not in mine:
             continue
-        lines.append(f"| {v.name} | {base['tps']:,.0f} | {mine['tps']:,.0f} | {mine['tps'] / base['tps']:.3f}x | "
+        rounds = [b / a for a, b in zip(base.get("tps_runs", []), mine.get("tps_runs", []))]
+        gain = (f"{statistics.median(rounds):.3f}x ({min(rounds):.3f}-{max(rounds):.3f})" if len(rounds) > 1
+                else f"{mine['tps'] / base['tps']:.3f}x")
+        lines.append(f"| {v.name} | {tps_cell(base)} | {tps_cell(mine)} | {gain} | "
                      f"{mine['final_loss'] - base['final_loss']:+.2e} |")
     if not lines:
         return ""
@@ -248,6 +278,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--log-freq", type=int, default=1,
                         help="[metrics] log_freq: 1 logs every step, and each logged step reads its metrics back "
                              "to the host (about 10 syncs); pretraining runs log every 10 or more")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="train every variant this many times, in rounds of all variants (medians and ranges)")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)
@@ -258,6 +290,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.grad_accum = [0]
     if min(args.grad_accum) < 1:
         parser.error(f"--grad-accum {','.join(map(str, args.grad_accum))}: expected a comma list of integers >= 1")
+    if args.repeat < 1:
+        parser.error(f"--repeat {args.repeat}: must be >= 1")
     if args.log_freq < 1 or args.steps // args.log_freq * args.log_freq <= args.warmup:
         parser.error(f"--log-freq {args.log_freq}: must be >= 1 and log a step after --warmup {args.warmup} "
                      f"within --steps {args.steps}")
@@ -292,24 +326,31 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in args.modes.split(",") for vary in (combinations if m != "torchtitan" else [()])]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
-    for i, v in enumerate(variants, 1):
-        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", v.name)
-        dump, log = out / slug, out / f"{slug}.log"
-        (dump / "metrics.jsonl").unlink(missing_ok=True)
-        print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes", flush=True)
-        overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
-                     "--metrics.log_freq", str(args.log_freq),
-                     *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
-        code = run_training(args.config, dump, overrides, nproc, log)
-        if code != 0 or not (dump / "metrics.jsonl").exists():
-            results[v.name] = {"failed": f"exit {code}, {log}"}
-            print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
-            continue
-        results[v.name] = summarize(read_metrics(dump), args.warmup, PROFILED_STEPS + 1 if args.profile else 0)
-        print(f"  {results[v.name]['tps']:,.0f} tokens/s/GPU", flush=True)
-        if args.profile:
-            results[v.name]["profile"] = profile_of(dump, args.steps)
+    runs: dict[str, list[dict]] = {v.name: [] for v in variants}
+    failed: dict[str, dict] = {}
+    for round_ in range(1, args.repeat + 1):
+        for i, v in enumerate(variants, 1):
+            if v.name in failed:
+                continue
+            slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", v.name) + (f"_run{round_}" if args.repeat > 1 else "")
+            dump, log = out / slug, out / f"{slug}.log"
+            (dump / "metrics.jsonl").unlink(missing_ok=True)
+            again = f", round {round_} of {args.repeat}" if args.repeat > 1 else ""
+            print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes{again}", flush=True)
+            overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
+                         "--metrics.log_freq", str(args.log_freq),
+                         *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
+            code = run_training(args.config, dump, overrides, nproc, log)
+            if code != 0 or not (dump / "metrics.jsonl").exists():
+                failed[v.name] = {"failed": f"exit {code}, {log}"}
+                print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
+                continue
+            run = summarize(read_metrics(dump), args.warmup, PROFILED_STEPS + 1 if args.profile else 0)
+            print(f"  {run['tps']:,.0f} tokens/s/GPU", flush=True)
+            if args.profile:
+                run["profile"] = profile_of(dump, args.steps)
+            runs[v.name].append(run)
+    results = {name: failed.get(name) or combine_runs(done) for name, done in runs.items()}
 
     report = table(variants, results)
     agreement = loss_agreement(variants, results)
@@ -327,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
             report += step_profile.compare_ranks(profile["by_rank"])
     print(report)
     untimed = f", the last {PROFILED_STEPS + 1} (profiled) left out" if args.profile else ""
+    rounds = f"; {args.repeat} rounds of every variant, medians of the runs" if args.repeat > 1 else ""
     header = (f"config: {args.config} {' '.join(args.extra)}\n"
-              f"steps: {args.steps}, medians after step {args.warmup}{untimed}, {nproc} processes\n\n")
+              f"steps: {args.steps}, medians after step {args.warmup}{untimed}, {nproc} processes{rounds}\n\n")
     (out / "bench_train.md").write_text(header + report + "\n")
     (out / "bench_train.json").write_text(json.dumps(results, indent=1))
     if importlib.util.find_spec("matplotlib"):

@@ -89,6 +89,7 @@ TYPES = [
     ("activation_checkpoint", "mode", "some", "[activation_checkpoint] mode", "'selective'"),
     ("training", "mixed_precision_param", "float16", "[training] mixed_precision_param", "'bfloat16'"),
     ("optimizer", "moments_dtype", "float16", "[optimizer] moments_dtype", "'float32' | 'bfloat16'"),
+    ("optimizer", "update", "cuda", "[optimizer] update", "'auto' | 'torch' | 'triton'"),
 ]
 
 # Everything else that names a key: unknown sections and keys, replaced keys, and combinations.
@@ -143,6 +144,11 @@ OTHERS = [
      "[optimizer] moments_dtype = 'bfloat16' is for name = 'AdamW' (got 'Adam')"),
     (["--optimizer.moments_dtype", "bfloat16", "--optimizer.early_step_in_backward"],
      "[optimizer] moments_dtype = 'bfloat16' with early_step_in_backward = true"),
+    (["--optimizer.moments_dtype", "bfloat16", "--optimizer.update", "torch"],
+     "[optimizer] update = 'torch' with moments_dtype = 'bfloat16': torch's AdamW keeps fp32 moments"),
+    (["--optimizer.update", "triton", "--optimizer.name", "Adam"], "[optimizer] update = 'triton' is for name = 'AdamW'"),
+    (["--optimizer.update", "triton", "--optimizer.early_step_in_backward"],
+     "[optimizer] update = 'triton' with early_step_in_backward = true"),
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 

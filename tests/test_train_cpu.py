@@ -48,11 +48,12 @@ RUNS = {
 }
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
 # step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
-# torch's fused AdamW and with ours (bf16 moments).
+# torch's fused AdamW and with ours (bf16 moments, and fp32 moments: [optimizer] update = "triton").
 CLIP = ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2", "--training.max_norm", "0.05"]
-for moments in ("float32", "bfloat16"):
+for moments, update in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "triton")):
     for clip in ("", "_torchtitan_clip"):
-        RUNS[f"clip_{moments}{clip}"] = [*CLIP, "--optimizer.moments_dtype", moments]
+        name = f"clip_{moments}" + ("_triton" if update == "triton" else "") + clip
+        RUNS[name] = [*CLIP, "--optimizer.moments_dtype", moments, "--optimizer.update", update]
 
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -193,7 +194,7 @@ def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):
     assert set(moments.values()) == {torch.bfloat16}, moments
 
 
-@pytest.mark.parametrize("moments", ["float32", "bfloat16"])
+@pytest.mark.parametrize("moments", ["float32", "bfloat16", "float32_triton"])
 def test_clipping_inside_the_optimizer_trains_as_torchtitans_clip(runs, moments):
     ours, theirs = runs[f"clip_{moments}"], runs[f"clip_{moments}_torchtitan_clip"]
     assert all(r["grad_norm"] > 0.05 for r in theirs)  # every step clips

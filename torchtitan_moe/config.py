@@ -173,6 +173,10 @@ class Optimizer:
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """AdamW's exp_avg and exp_avg_sq stored in 'float32' (torch's AdamW) or 'bfloat16' (4 bytes less
     per parameter; fp32 update and master weights; optimizer.py)."""
+    update: Literal["auto", "torch", "triton"] = "auto"
+    """Where AdamW's update runs: 'torch' (torchtitan's optimizer, fp32 moments), 'triton' (ours: one
+    pass per parameter that also writes the experts' bf16 working copies; fp32 or bf16 moments), or
+    'auto': 'triton' for bf16 moments, else 'torch'."""
 
 
 @dataclass

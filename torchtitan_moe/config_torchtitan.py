@@ -35,6 +35,13 @@ def check_torchtitan_keys(cfg: Any, world_size: int | None = None) -> None:
               f"(got {opt.name!r}); use moments_dtype = 'float32'")
         _need(not opt.early_step_in_backward, f"[optimizer] moments_dtype = {opt.moments_dtype!r} with "
               "early_step_in_backward = true: not supported; use moments_dtype = 'float32'")
+        _need(opt.update != "torch", f"[optimizer] update = 'torch' with moments_dtype = {opt.moments_dtype!r}: "
+              "torch's AdamW keeps fp32 moments; use update = 'triton' (or 'auto')")
+    if opt.update == "triton":
+        _need(opt.name == "AdamW", f"[optimizer] update = 'triton' is for name = 'AdamW' (got {opt.name!r}); "
+              "use update = 'auto'")
+        _need(not opt.early_step_in_backward, "[optimizer] update = 'triton' with early_step_in_backward = true: "
+              "not supported; use update = 'auto'")
 
     _need(train.steps >= 1, f"[training] steps = {train.steps}: must be >= 1 (the number of optimizer steps to train)")
     _need(sched.warmup_steps >= 0, f"[lr_scheduler] warmup_steps = {sched.warmup_steps}: must be >= 0")

@@ -1,4 +1,5 @@
-"""The optimizer: torchtitan's AdamW, or AdamW with its moments stored in bf16 ([optimizer] moments_dtype).
+"""The optimizer: torchtitan's AdamW, or ours ([optimizer] update = "triton"), which can store its moments in
+bf16 ([optimizer] moments_dtype) and writes the experts' bf16 working copies in its update.
 
 AdamW keeps two fp32 moments per parameter next to the fp32 master weight and its gradient: 8 of
 the 16 bytes each parameter costs before activations. `moments_dtype = "bfloat16"` stores both
@@ -6,7 +7,10 @@ moments in bf16 (Megatron-Core's precision-aware optimizer offers the same), whi
 per parameter (22 GB of a 5.6B-parameter model) and moves 20 instead of 28 bytes per parameter in
 the update. The update itself is fp32 (ops/adamw.py); only the stored moments are rounded
 (stochastically: unbiased). The master weights stay fp32. What the rounding costs in learning is
-measured, not assumed: worklogs/2026-11-25-bf16-moments.md.
+measured, not assumed: worklogs/2026-11-25-bf16-moments.md. With fp32 moments ours is torch's AdamW
+up to fp32 rounding order, in one Triton pass per parameter (28 bytes moved per parameter, torch's fused
+AdamW 1.14x slower on an H100, kernels/bench_adamw.py), and it writes the experts' bf16 working copies
+in that pass (moe/experts.py) where torch's leaves them to be cast after the step.
 
 Both our model and the torchtitan baseline build their optimizer here, so a comparison of the two
 uses the same optimizer.
@@ -95,11 +99,17 @@ class AdamW(torch.optim.Optimizer):
                     state[key] = state[key].to(self.moments_dtype)
 
 
+def uses_our_update(optimizer_config) -> bool:
+    """[optimizer] update: ours ('triton', or 'auto' with bf16 moments) rather than torchtitan's ('torch')."""
+    update = optimizer_config.update
+    return update == "triton" or (update == "auto" and optimizer_config.moments_dtype != "float32")
+
+
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):
-    """torchtitan's optimizers, or ours with bf16 moments when [optimizer] moments_dtype asks for them.
-    The config check (config.py) has refused what bf16 moments do not support."""
+    """torchtitan's optimizers, or our AdamW where [optimizer] update asks for it (bf16 moments always do).
+    The config check (config_torchtitan.py) has refused what ours does not support."""
     moments_dtype = MOMENTS_DTYPES[optimizer_config.moments_dtype]
-    if moments_dtype == torch.float32:
+    if not uses_our_update(optimizer_config):
         return build_torchtitan_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager)
     kwargs = dict(lr=optimizer_config.lr, betas=(optimizer_config.beta1, optimizer_config.beta2),
                   eps=optimizer_config.eps, weight_decay=optimizer_config.weight_decay, moments_dtype=moments_dtype)

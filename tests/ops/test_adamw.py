@@ -196,3 +196,21 @@ def test_the_in_place_kernel_is_not_autotuned():
     from torchtitan_moe.ops.adamw_triton import _adamw_kernel
 
     assert not isinstance(_adamw_kernel, triton.runtime.Autotuner)
+
+
+@pytest.mark.parametrize("update, moments, ours", [("auto", "float32", False), ("auto", "bfloat16", True),
+                                                    ("triton", "float32", True), ("torch", "float32", False)])
+def test_update_picks_the_optimizer_and_ours_keeps_the_moments_asked_for(update, moments, ours):
+    from torchtitan_moe.config_loader import load_job_config
+    from torchtitan_moe.optimizer import build_optimizers
+
+    job = load_job_config(["--job.config_file", "configs/debug.toml", "--optimizer.update", update,
+                           "--optimizer.moments_dtype", moments])
+    model = _model()
+    optimizers = build_optimizers([model], job.optimizer, parallel_dims=None)
+    (inner,) = optimizers.optimizers
+    assert isinstance(inner, AdamW) == ours, type(inner)
+    _train(model, optimizers)
+    if ours:
+        moments_seen = {s[k].dtype for s in inner.state.values() for k in ("exp_avg", "exp_avg_sq")}
+        assert moments_seen == {getattr(torch, moments)}

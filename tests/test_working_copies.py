@@ -144,3 +144,10 @@ def test_compiled_blocks_read_copies_made_by_the_models_pre_forward_hook():
             assert torch.equal(a, b), name
         step_results(experts, batch, model)
         optimizers.step()
+
+
+def test_a_compiled_forward_without_copies_says_what_to_call():
+    experts, batch = experts_and_batch()
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"no working copies yet.*refresh_working_copies\(\)"):
+        compiled(batch)

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan_moe.moe.experts import GroupedExperts
 from torchtitan_moe.ops.adamw import adamw_step_
 from torchtitan_moe.torchtitan_compat import OptimizersContainer, build_optimizers as build_torchtitan_optimizers
 
@@ -121,8 +122,6 @@ def attach_working_copies(optimizers, model_parts) -> None:
     steps: every step of `optimizers` (torchtitan's container) marks them stale first; our AdamW
     writes each copy in its update and marks it current; after the step the copies still stale
     (torch's AdamW) are cast, so that the forward finds them current."""
-    from torchtitan_moe.moe.experts import GroupedExperts
-
     experts = [m for part in model_parts for m in part.modules()
                if isinstance(m, GroupedExperts) and m.has_working_copies]
     if not experts:

@@ -120,6 +120,9 @@ class GroupedExperts(nn.Module):
         to the weights; outside FSDP2 the working copies (current: see refresh_working_copies)."""
         w13, w2 = _local(self.w13), _local(self.w2)
         if self.has_working_copies and autocast_dtype(device) is None:
+            if len(self.working) < len(self.WEIGHTS):
+                raise RuntimeError("GroupedExperts: no working copies yet: a compiled forward reads them; call "
+                                   "refresh_working_copies() first (the model's pre-forward hook from parallelize does)")
             return _WorkingCopy.apply(w13, self.working["w13"]), _WorkingCopy.apply(w2, self.working["w2"])
         dtype = self.compute_dtype(device)
         return w13.to(dtype), w2.to(dtype)  # autograd keeps the cast copies for backward

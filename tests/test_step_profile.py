@@ -186,3 +186,26 @@ def test_bench_train_profile_on_cpu(tmp_path):
     assert "the last 4 (profiled) left out" in report and "step-time breakdown" in report
     assert "no GPU activity in this trace" in report
     assert sum(line.startswith("| ") and line.split("|")[1].strip().isdigit() for line in report.splitlines()) == 3
+
+
+def test_kernels_count_in_the_step_that_launched_them_when_the_gpu_runs_behind(tmp_path):
+    """No sync ends step 4 (log_freq > 1): its AdamW kernel, launched at 900, runs at 1200-1500, inside
+    step 5's host range; step 5 (which ends in a sync) launches its own at 1900, run at 2000-2300. Each
+    step has one AdamW kernel; the GPU's busy time stays where the GPU was busy."""
+    def launch(t, corr):
+        return event("cudaLaunchKernel", "cuda_runtime", t, 5, pid=1, tid=1, args={"correlation": corr})
+
+    def kernel(ts, corr):
+        return event("_adamw_kernel", "kernel", ts, 300, pid=0, tid=7, args={"correlation": corr})
+
+    events = [event("ProfilerStep#4", "user_annotation", 0, 1000, pid=1, tid=1),
+              event("ProfilerStep#5", "user_annotation", 1000, 1400, pid=1, tid=1),
+              launch(900, 1), kernel(1200, 1), launch(1900, 2), kernel(2000, 2),
+              event("cudaStreamSynchronize", "cuda_runtime", 1950, 400, pid=1, tid=1)]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    result = step_profile.breakdown(step_profile.load(path))
+    assert result["kernels"]["_adamw_kernel"]["calls"] == 1.0  # one a step: 2 kernels over 2 steps
+    assert result["longest_step_extra"] == []  # the same kernels in both steps
+    first, second = result["steps"]
+    assert first["gpu_busy_ms"] == 0 and second["gpu_busy_ms"] == pytest.approx(0.6)

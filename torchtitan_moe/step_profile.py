@@ -19,9 +19,11 @@ Triton compiled, elementwise/copy, other), the GPU time per class, what the long
 beyond the shortest (a logging or monitor step shows here), and where the idle time goes: each
 gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
 that thread and the op that launched; "after a sync" where the host had just waited for the GPU, so
-the gap is its time to launch again). A step's GPU work is taken to
-lie inside its host range, which holds when the step ends in a host sync (torchtitan's does when it
-logs the loss every step, as bench_train asks).
+the gap is its time to launch again). A step's kernels (their times, classes and the longest step's
+extra) are the ones its host range launched (the trace's correlation ids; without them, the ones that
+start inside it): without a host sync at the end of every step (log_freq > 1) the GPU runs behind the
+host, and a step ending in syncs (a logging step) would otherwise take the work queued before it.
+GPU busy and idle are what the GPU did during the host range.
 
 Given several traces (rank0_trace.json, rank1_trace.json, ... of one run), it breaks down the first
 and then compares the ranks: wall, GPU busy and each class per rank, and the kernels whose time
@@ -132,8 +134,9 @@ def breakdown(events: list[Event]) -> dict:
                          "with a schedule (torchtitan's [profiling])?")
     gpu = [e for e in events if e.cat in GPU_CATEGORIES]
     host = [e for e in events if e.cat in HOST_CATEGORIES]
+    launched = launched_in_steps(steps, gpu, host)
     rows, kernels, by_step = [], defaultdict(lambda: [0.0, 0]), []
-    for step in steps:
+    for i, step in enumerate(steps):
         inside = [(max(e.start, step.start), min(e.end, step.end)) for e in gpu if e.end > step.start and e.start < step.end]
         syncs = [e for e in host if e.name in SYNCS and step.start <= e.start < step.end]
         busy = union_length(inside) / 1e3
@@ -144,11 +147,10 @@ def breakdown(events: list[Event]) -> dict:
             "host_syncs": len(syncs), "host_sync_ms": sum(e.end - e.start for e in syncs) / 1e3,
         })
         this_step = defaultdict(float)
-        for e in gpu:
-            if step.start <= e.start < step.end:
-                kernels[e.name][0] += (e.end - e.start) / 1e3
-                kernels[e.name][1] += 1
-                this_step[e.name] += (e.end - e.start) / 1e3
+        for e in launched[i]:
+            kernels[e.name][0] += (e.end - e.start) / 1e3
+            kernels[e.name][1] += 1
+            this_step[e.name] += (e.end - e.start) / 1e3
         by_step.append(this_step)
     n = len(rows)
     per_step = {name: {"ms": ms / n, "calls": calls / n, "class": kernel_class(name)} for name, (ms, calls) in kernels.items()}
@@ -161,6 +163,20 @@ def breakdown(events: list[Event]) -> dict:
     idle.sort(key=lambda r: -r["ms"])
     return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle,
             "longest_step_extra": longest_step_extra(rows, by_step)}
+
+
+def launched_in_steps(steps: list[Event], gpu: list[Event], host: list[Event]) -> list[list[Event]]:
+    """Each step's GPU events: those whose launching runtime call (same correlation id) lies in the step's
+    host range, or, for an event without one in the trace, those starting in it."""
+    launch_time = {e.correlation: e.start for e in host if e.correlation is not None}
+    starts = [step.start for step in steps]
+    launched: list[list[Event]] = [[] for _ in steps]
+    for e in gpu:
+        t = launch_time.get(e.correlation, e.start) if e.correlation is not None else e.start
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and t < steps[i].end:
+            launched[i].append(e)
+    return launched
 
 
 def longest_step_extra(rows: list[dict], by_step: list[dict], top: int = 8) -> list[dict]:

@@ -6,6 +6,8 @@
 - two runs of one setting are bitwise identical (deterministic algorithms);
 - EP = 2 (all-to-all dispatcher, Triton kernels) matches EP = 1 from the same seed checkpoint,
   and activation checkpointing under EP = 2 changes nothing (2 GPUs; skipped on 1);
+- EP = 2 in bf16: the experts' working copies, written by our AdamW, checked every step and training as
+  the experts under FSDP2 do (2 GPUs);
 - the all-to-all dispatcher's CUDA path (NCCL, Triton kernels, split sizes read through pinned
   memory) matches the local dispatcher on a one-rank group: it runs where 2 GPUs are not to be had.
 
@@ -14,6 +16,7 @@ The parity runs share one folder, so the seed checkpoint (keyed by the model arg
 `scripts/gpu_tests.sh` runs these with the other `gpu` tests in one call.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -24,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from numerics import assert_close_to_max
-from spawn_ranks import rank_group, run_ranks
+from spawn_ranks import rank_group, run_ranks, torchrun_plan
 from spawn_ranks import train_debug as train
 from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
 
@@ -119,6 +122,29 @@ def test_activation_checkpointing_under_ep2_changes_nothing(parity_out):
     report = (out / "parity.md").read_text()
     print(report)
     assert code == 0, report
+
+
+@two_gpus
+def test_ep2_bf16_experts_working_copies_train_as_the_experts_under_fsdp(tmp_path):
+    # The experts' bf16 working copies on GPUs (the CPU tier checks them bit for bit): EP = 2 in bf16 with our
+    # AdamW writing the copies in its Triton update, every step's check (copy == the weight's cast, bitwise)
+    # passing, and losses tracking the same run with the experts under FSDP2 (bf16 GPU runs are not bitwise
+    # repeatable: attention's backward accumulates in any order).
+    plan = []
+    for name in ("outside", "in_fsdp"):
+        plan.append({"train": ["--job.dump_folder", str(tmp_path / name), "--training.steps", "10",
+                               "--parallelism.expert_parallel_degree", "2", "--dispatch.backend", "all_to_all",
+                               "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype", "bfloat16",
+                               "--kernels.backend", "triton", "--checks.monitor_freq", "1"],
+                     "experts": str(tmp_path / f"{name}.experts.json"), "experts_in_fsdp": name == "in_fsdp"})
+    torchrun_plan(plan, tmp_path, nproc=2)
+    layouts = {name: json.loads((tmp_path / f"{name}.experts.json").read_text()) for name in ("outside", "in_fsdp")}
+    assert not any(seen["fsdp"] for seen in layouts["outside"]) and all(seen["fsdp"] for seen in layouts["in_fsdp"])
+    runs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+            for name in ("outside", "in_fsdp")}
+    assert len(runs["outside"]) == 10
+    for a, b in zip(runs["outside"], runs["in_fsdp"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=5e-3) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
 
 
 def one_gpu_worker(rank: int, world: int, port: int, failures):

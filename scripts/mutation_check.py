@@ -274,7 +274,7 @@ MUTATIONS = [
       ("tests/ops/test_adamw.py", "-k", "update_picks")),
     M("step_profile: kernels counted in the step they start in, not the one that launched them",
       "torchtitan_moe/step_profile.py",
-      "t = launch_time.get(e.correlation, e.start) if e.correlation is not None else e.start", "t = e.start",
+      "t = launch.start if launch is not None else e.start", "t = e.start",
       ("tests/test_step_profile.py", "-k", "behind")),
     M("parity: one seed checkpoint for every model", "torchtitan_moe/parity.py",
       'seed_dir = out / f"seed-{seed_key(model_args)}"', 'seed_dir = out / "seed"',

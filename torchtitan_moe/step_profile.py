@@ -134,7 +134,8 @@ def breakdown(events: list[Event]) -> dict:
                          "with a schedule (torchtitan's [profiling])?")
     gpu = [e for e in events if e.cat in GPU_CATEGORIES]
     host = [e for e in events if e.cat in HOST_CATEGORIES]
-    launched = launched_in_steps(steps, gpu, host)
+    launched_by = {e.correlation: e for e in host if e.correlation is not None}  # GPU event -> its launch
+    launched = launched_in_steps(steps, gpu, launched_by)
     rows, kernels, by_step = [], defaultdict(lambda: [0.0, 0]), []
     for i, step in enumerate(steps):
         inside = [(max(e.start, step.start), min(e.end, step.end)) for e in gpu if e.end > step.start and e.start < step.end]
@@ -159,20 +160,20 @@ def breakdown(events: list[Event]) -> dict:
         classes[k["class"]] += k["ms"]
     mean = {key: statistics.mean(r[key] for r in rows) for key in rows[0] if key != "step"}
     idle = [{**dict(zip(("host_op", "launch_op", "after_sync"), key)), "ms": ms / n, "gaps": count / n}
-            for key, (ms, count) in idle_by_host_op(events, steps, gpu, host).items()]
+            for key, (ms, count) in idle_by_host_op(events, steps, gpu, host, launched_by).items()]
     idle.sort(key=lambda r: -r["ms"])
     return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle,
             "longest_step_extra": longest_step_extra(rows, by_step)}
 
 
-def launched_in_steps(steps: list[Event], gpu: list[Event], host: list[Event]) -> list[list[Event]]:
+def launched_in_steps(steps: list[Event], gpu: list[Event], launched_by: dict[int, Event]) -> list[list[Event]]:
     """Each step's GPU events: those whose launching runtime call (same correlation id) lies in the step's
     host range, or, for an event without one in the trace, those starting in it."""
-    launch_time = {e.correlation: e.start for e in host if e.correlation is not None}
     starts = [step.start for step in steps]
     launched: list[list[Event]] = [[] for _ in steps]
     for e in gpu:
-        t = launch_time.get(e.correlation, e.start) if e.correlation is not None else e.start
+        launch = launched_by.get(e.correlation)
+        t = launch.start if launch is not None else e.start
         i = bisect.bisect_right(starts, t) - 1
         if i >= 0 and t < steps[i].end:
             launched[i].append(e)
@@ -191,7 +192,8 @@ def longest_step_extra(rows: list[dict], by_step: list[dict], top: int = 8) -> l
             for n, ms in sorted(extra.items(), key=lambda kv: -kv[1])[:top] if ms > 0]
 
 
-def idle_by_host_op(events: list[Event], steps: list[Event], gpu: list[Event], host: list[Event]) -> dict:
+def idle_by_host_op(events: list[Event], steps: list[Event], gpu: list[Event], host: list[Event],
+                    launched_by: dict[int, Event]) -> dict:
     """{(outermost host op, launching op, after a sync): [idle µs, gaps]} over the steps: each gap in
     the union of GPU work inside a step goes to the launch of the GPU event that ends it."""
     threads = defaultdict(list)
@@ -199,7 +201,6 @@ def idle_by_host_op(events: list[Event], steps: list[Event], gpu: list[Event], h
         if e.cat in HOST_OPS and not STEP.fullmatch(e.name):
             threads[e.thread].append(e)
     nesting = {thread: Nesting(ops) for thread, ops in threads.items()}
-    launched_by = {e.correlation: e for e in host if e.correlation is not None}
     sync_ends = sorted(e.end for e in host if e.name in SYNCS)
     totals = defaultdict(lambda: [0.0, 0])
 

@@ -15,7 +15,8 @@
 #   test_gpu_e2e         the debug model trains on 1 GPU with Triton kernels; a zero gate stops the run;
 #                        two runs are bitwise identical; EP = 2 (all-to-all + Triton) matches EP = 1
 #                        from one seed checkpoint, and activation checkpointing under EP = 2 changes nothing;
-#                        EP = 2 in bf16 with the experts' working copies trains as the experts under FSDP2
+#                        EP = 2 in bf16 with the experts' working copies trains as the experts under FSDP2;
+#                        a train step never makes the host wait for the GPU (CUDA's sync debug mode)
 # On a 1-GPU machine the 2-GPU tests are skipped, each with its reason in the log and the summary.
 # Uses the image's torch, triton and torchtitan (no install, no network): PYTHON picks the interpreter.
 # OUT (default outputs/gpu_tests) gets the log and junit XML. The last line is the summary;

@@ -5,6 +5,8 @@ for the CPU. On CPU the same code dispatches the same `aten._local_scalar_dense`
 catches a sync that only costs on a GPU. (`Tensor.tolist()` does not dispatch: not counted.)
 """
 
+import warnings
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -21,13 +23,31 @@ class HostReads(TorchDispatchMode):
 
 
 class HostSyncs(HostReads):
-    """HostReads, plus `Tensor.tolist()` (a host sync that does not dispatch)."""
+    """HostReads, plus `Tensor.tolist()` (a host sync that does not dispatch). With cuda=True, for
+    code on a GPU, every operation that makes the host wait for it instead, as CUDA's sync debug
+    mode reports them: reads, blocking copies between host and device, synchronize calls."""
+
+    def __init__(self, cuda: bool = False):
+        super().__init__()
+        self.cuda = cuda
 
     def __enter__(self):
+        if self.cuda:
+            self._warnings = warnings.catch_warnings(record=True)
+            self._caught = self._warnings.__enter__()
+            warnings.simplefilter("always")  # every sync, not the first of each line
+            torch.cuda.set_sync_debug_mode("warn")
+            return self
         self._tolist = torch.Tensor.tolist
         torch.Tensor.tolist = lambda t: (setattr(self, "count", self.count + 1), self._tolist(t))[1]
         return super().__enter__()
 
     def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self._warnings.__exit__(*exc)
+            self.syncs = [f"{w.filename}:{w.lineno}" for w in self._caught if "synchronizing CUDA operation" in str(w.message)]
+            self.count = len(self.syncs)
+            return False
         torch.Tensor.tolist = self._tolist
         return super().__exit__(*exc)

@@ -91,9 +91,11 @@ def host_syncs(overrides: list[str], out: str) -> None:
                 return step(data_iterator)
             # The batches first: the synthetic stream is made on the host (a GPU run's loader too).
             batches = iter([next(data_iterator) for _ in range(trainer.gradient_accumulation_steps)])
-            with HostSyncs() as syncs:
+            with HostSyncs(cuda=torch.cuda.is_available()) as syncs:
                 step(batches)
             counts.append(syncs.count)
+            if getattr(syncs, "syncs", None):
+                print(f"rank {dist.get_rank()} step {trainer.step}: host syncs at {syncs.syncs}", file=sys.stderr)
 
         trainer.train_step = counted
 

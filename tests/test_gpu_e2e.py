@@ -8,6 +8,8 @@
   and activation checkpointing under EP = 2 changes nothing (2 GPUs; skipped on 1);
 - EP = 2 in bf16: the experts' working copies, written by our AdamW, checked every step and training as
   the experts under FSDP2 do (2 GPUs);
+- a train step that logs nothing never makes the host wait for the GPU (CUDA's sync debug mode; EP = 2
+  on 2 GPUs, else 1);
 - the all-to-all dispatcher's CUDA path (NCCL, Triton kernels, split sizes read through pinned
   memory) matches the local dispatcher on a one-rank group: it runs where 2 GPUs are not to be had.
 
@@ -145,6 +147,19 @@ def test_ep2_bf16_experts_working_copies_train_as_the_experts_under_fsdp(tmp_pat
     assert len(runs["outside"]) == 10
     for a, b in zip(runs["outside"], runs["in_fsdp"]):
         assert a["loss"] == pytest.approx(b["loss"], rel=5e-3) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+
+
+def test_a_training_step_never_makes_the_host_wait_for_the_gpu(tmp_path):
+    # CUDA's sync debug mode over whole train steps that log nothing (tests/host_reads.py): no read-back,
+    # no blocking copy of a batch, no synchronize. torchtitan's own step had 4 (the token count's copy and
+    # read-back, the inputs' and labels' copies): each drained the GPU before the host launched the forward.
+    nproc = min(2, torch.cuda.device_count())
+    ep = ["--parallelism.expert_parallel_degree", str(nproc), "--dispatch.backend", "all_to_all",
+          "--dispatch.buffers", "worst_case"]
+    plan = [{"host_syncs": [*ep, "--training.mixed_precision_param", "bfloat16", "--kernels.backend", "triton",
+                            "--job.dump_folder", str(tmp_path / "run")], "out": str(tmp_path / "syncs.json")}]
+    torchrun_plan(plan, tmp_path, nproc=nproc)
+    assert json.loads((tmp_path / "syncs.json").read_text()) == [0, 0]
 
 
 def one_gpu_worker(rank: int, world: int, port: int, failures):

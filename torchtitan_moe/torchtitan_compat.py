@@ -18,6 +18,7 @@ import torch
 
 import torchtitan
 from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.components.loss import build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
@@ -48,6 +49,7 @@ CUSTOM_CONFIG_MODULE = "torchtitan_moe.config"
 
 __all__ = [
     "Attention",
+    "IGNORE_INDEX",
     "BaseDataLoader",
     "BaseModelArgs",
     "BaseTokenizer",

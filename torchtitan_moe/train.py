@@ -3,7 +3,7 @@
 Runs under torchrun or as one process. torchtitan's Trainer does the work; `MoETrainer`
 adds what MoE training needs: the aux-loss weight per micro-batch, the router-init checks
 before step 1, the per-rank numbers of the training-health monitors, and MoE statistics on
-the step line. On a machine without CUDA it trains on the CPU over gloo.
+the step line; its step is torchtitan's without the host syncs (train_step.py). On a machine without CUDA it trains on the CPU over gloo.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torchtitan_moe.dispatch.deepep_backend import release_buffers
 from torchtitan_moe.moe.experts import stale_working_copies
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.optimizer import attach_working_copies, clip_in_optimizer
+from torchtitan_moe.train_step import train_step
 from torchtitan_moe.torchtitan_compat import (
     Trainer,
     check_torchtitan_version,
@@ -125,7 +126,10 @@ class MoETrainer(Trainer):
 
     def train_step(self, data_iterator) -> None:
         self._local_losses = []
-        super().train_step(data_iterator)
+        if self.parallel_dims.pp_enabled:
+            super().train_step(data_iterator)
+        else:  # torchtitan's step without its host syncs (train_step.py)
+            train_step(self, data_iterator)
         if self.metrics_processor.monitor.is_monitor_step(self.step):
             # The experts' working copies the optimizer wrote must be the new weights' casts.
             stale = [name for part in self.model_parts for name in stale_working_copies(part)]

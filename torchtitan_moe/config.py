@@ -176,7 +176,7 @@ class Optimizer:
     update: Literal["auto", "torch", "triton"] = "auto"
     """Where AdamW's update runs: 'torch' (torchtitan's optimizer, fp32 moments), 'triton' (ours: one
     pass per parameter that also writes the experts' bf16 working copies; fp32 or bf16 moments), or
-    'auto': 'triton' for bf16 moments, else 'torch'."""
+    'auto': 'triton' for bf16 moments and for AdamW on a GPU, else 'torch'."""
 
 
 @dataclass

@@ -10,7 +10,8 @@ the update. The update itself is fp32 (ops/adamw.py); only the stored moments ar
 measured, not assumed: worklogs/2026-11-25-bf16-moments.md. With fp32 moments ours is torch's AdamW
 up to fp32 rounding order, in one Triton pass per parameter (28 bytes moved per parameter, torch's fused
 AdamW 1.14x slower on an H100, kernels/bench_adamw.py), and it writes the experts' bf16 working copies
-in that pass (moe/experts.py) where torch's leaves them to be cast after the step.
+in that pass (moe/experts.py) where torch's leaves them to be cast after the step: on a GPU it is the
+default (1.035x the training step on 2 H200s, worklogs/2026-11-26-session4-h200x2.md).
 
 Both our model and the torchtitan baseline build their optimizer here, so a comparison of the two
 uses the same optimizer.
@@ -101,9 +102,14 @@ class AdamW(torch.optim.Optimizer):
 
 
 def uses_our_update(optimizer_config) -> bool:
-    """[optimizer] update: ours ('triton', or 'auto' with bf16 moments) rather than torchtitan's ('torch')."""
+    """[optimizer] update: ours ('triton'; 'auto' with bf16 moments, or AdamW on a GPU) rather than
+    torchtitan's ('torch'; 'auto' on the CPU, where ours would run its torch reference)."""
     update = optimizer_config.update
-    return update == "triton" or (update == "auto" and optimizer_config.moments_dtype != "float32")
+    if update != "auto":
+        return update == "triton"
+    if optimizer_config.moments_dtype != "float32":
+        return True
+    return optimizer_config.name == "AdamW" and not optimizer_config.early_step_in_backward and torch.cuda.is_available()
 
 
 def build_optimizers(model_parts, optimizer_config, parallel_dims, ft_manager=None):

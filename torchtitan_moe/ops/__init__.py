@@ -12,6 +12,7 @@
 
     loss  = linear_cross_entropy(h [N, D], weight [V, D], labels [N])   the output layer and its
             summed cross-entropy; the Triton path makes the gradients in the forward, in place
+    dw32  = upcast(dw [*] bf16)                          the experts' weight gradients to fp32
 
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
 torch ops). <op>.py holds the API, the argument checks, the reference and the
@@ -30,6 +31,7 @@ from .grouped_mm import grouped_mm
 from .permute import RoutingIndex, routing_index, routing_index_reference
 from .send_plan import send_meta, send_meta_reference, send_plan, send_plan_reference
 from .swiglu_prob import swiglu_prob, swiglu_prob_reference
+from .upcast import upcast, upcast_reference, upcast_takes
 
 __all__ = [
     "RoutingIndex",
@@ -48,4 +50,7 @@ __all__ = [
     "send_meta_reference",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "upcast",
+    "upcast_reference",
+    "upcast_takes",
 ]

@@ -67,6 +67,21 @@ def test_gate_is_computed_in_fp32_under_bf16_autocast():
     torch.testing.assert_close(routing.scores, fp32_scores, rtol=1e-6, atol=1e-7)  # bf16 logits miss by ~1e-3
 
 
+def test_a_bf16_gate_with_bf16_tokens_still_gives_fp32_logits():
+    # Under FSDP2's bf16 mixed precision the gate's weight and the tokens arrive in bf16: the logits are
+    # still the fp32 sums of their products, and the gradients reach both in bf16.
+    torch.manual_seed(3)
+    router = Router(64, num_experts=16, top_k=2)
+    router.init_weights()
+    router.gate.weight.data = (0.3 * torch.randn(16, 64)).bfloat16()
+    x = torch.randn(32, 64).bfloat16().requires_grad_()
+    routing = router(x)
+    fp32_scores = torch.softmax(x.float() @ router.gate.weight.float().T, dim=-1)
+    torch.testing.assert_close(routing.scores, fp32_scores, rtol=1e-6, atol=1e-7)  # bf16 logits miss by ~1e-3
+    (routing.probs * torch.randn(32, 2)).sum().backward()
+    assert x.grad.dtype == router.gate.weight.grad.dtype == torch.bfloat16
+
+
 def test_probabilities_carry_gradient_to_the_gate():
     router = Router(16, num_experts=4, top_k=2)
     router.init_weights()

@@ -18,8 +18,7 @@ import torch
 
 import torchtitan
 from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
-from torchtitan.components.loss import IGNORE_INDEX
-from torchtitan.components.loss import build_cross_entropy_loss
+from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import OptimizersContainer, build_optimizers
@@ -49,11 +48,11 @@ CUSTOM_CONFIG_MODULE = "torchtitan_moe.config"
 
 __all__ = [
     "Attention",
-    "IGNORE_INDEX",
     "BaseDataLoader",
     "BaseModelArgs",
     "BaseTokenizer",
     "ConfigManager",
+    "IGNORE_INDEX",
     "MetricsProcessor",
     "ModelProtocol",
     "OptimizersContainer",

@@ -3,7 +3,8 @@
 Runs under torchrun or as one process. torchtitan's Trainer does the work; `MoETrainer`
 adds what MoE training needs: the aux-loss weight per micro-batch, the router-init checks
 before step 1, the per-rank numbers of the training-health monitors, and MoE statistics on
-the step line; its step is torchtitan's without the host syncs (train_step.py). On a machine without CUDA it trains on the CPU over gloo.
+the step line; its step is torchtitan's without the host syncs (train_step.py). On a machine
+without CUDA it trains on the CPU over gloo.
 """
 
 from __future__ import annotations

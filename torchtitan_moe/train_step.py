@@ -11,10 +11,10 @@ with non-blocking copies and the count stays on the device, so the host queues s
 while the GPU finishes step N; only a logging step reads values back.
 
 The same arithmetic: the loss of each micro-batch is its summed loss / the global count of
-valid tokens (a device tensor here, a Python number in torchtitan's data-parallel branch: a
-division by a tensor where torchtitan multiplies by the reciprocal, equal for power-of-two
-counts and within one ulp otherwise), clipping, the optimizer and the scheduler as torchtitan
-calls them, and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choice).
+valid tokens (a device tensor here; in torchtitan's data-parallel branch a Python number, which
+CUDA's division turns into a multiplication by its reciprocal: the same for power-of-two counts,
+within one ulp otherwise), clipping, the optimizer and the scheduler as torchtitan calls them,
+and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choice).
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 from ._backend import use_triton
 from ._library import custom_op
 
+
 def upcast_takes(x: torch.Tensor) -> bool:
     """x is dense: its elements fill one block of memory, in some order of its dimensions."""
     expected = 1

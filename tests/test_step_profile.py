@@ -128,6 +128,9 @@ def test_the_ranks_side_by_side_show_which_one_waits(tmp_path, capsys):
     assert sorted(profile["by_rank"]) == [0, 1]
     table = step_profile.compare_ranks(profile["by_rank"], top=2)
     assert "| GEMM ms | 0.15 | 0.25 |" in table and "| NCCL ms | 0.15 | 0.05 |" in table
+    busy = [profile["by_rank"][r]["compute_idle"]["busy_ms"] for r in (0, 1)]
+    assert busy[1] - busy[0] == pytest.approx(0.1)  # rank 1's GEMM: 200 µs longer over 2 steps
+    assert f"| compute stream busy ms | {busy[0]:.2f} | {busy[1]:.2f} |" in table
     differ = table.split("differs most")[1]
     assert "| sm90_xmma_gemm_bf16bf16_bf16f32 | GEMM | 0.150 | 0.250 |" in differ
     assert "| ncclDevKernel_AllToAll | NCCL | 0.150 | 0.050 |" in differ
@@ -209,3 +212,28 @@ def test_kernels_count_in_the_step_that_launched_them_when_the_gpu_runs_behind(t
     assert result["longest_step_extra"] == []  # the same kernels in both steps
     first, second = result["steps"]
     assert first["gpu_busy_ms"] == 0 and second["gpu_busy_ms"] == pytest.approx(0.6)
+
+
+def test_compute_stream_idle_goes_to_the_kernel_running_beside_each_gap(tmp_path):
+    """Two steps. The compute stream (7, the most kernel time) runs K1 100-300, K2 500-600 and K3 700-800 in
+    step 0 and K4 1100-1150 in step 1; stream 20 runs DeepEP's dispatch 250-480 (through most of the gap
+    300-500, where a reduce-scatter on stream 26 runs 485-495; its 50 µs beside K1 are no gap) and an all-gather
+    620-650 (30 of the gap 600-700's 100 µs, the only kernel there); nothing runs in 800-1100, the gap before
+    step 1's first kernel."""
+    events = [
+        event("ProfilerStep#1", "user_annotation", 0, 1000), event("ProfilerStep#2", "user_annotation", 1000, 1000),
+        *[event("sm90_gemm", "kernel", t, d, tid=7) for t, d in ((100, 200), (500, 100), (700, 100), (1100, 50))],
+        event("void deep_ep::intranode::dispatch<2, 768, 8192>(int4*, float*)", "kernel", 250, 230, tid=20),
+        event("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 620, 30, tid=20),
+        event("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 485, 10, tid=26),
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    idle = step_profile.breakdown(step_profile.load(tmp_path / "t.json"))["compute_idle"]
+    assert idle["stream"] == 7 and idle["busy_ms"] == pytest.approx(0.225) and idle["idle_ms"] == pytest.approx(0.3)
+    beside = {r["kernel"]: (r["ms"], r["gaps"]) for r in idle["beside"]}
+    assert beside == {"deep_ep::intranode::dispatch<2, 768, 8192>": (pytest.approx(0.1), 0.5),
+                      "ncclDevKernel_AllGather_RING_LL": (pytest.approx(0.05), 0.5),
+                      "(nothing: the host, or an event)": (pytest.approx(0.15), 0.5)}
+    table = step_profile.render(step_profile.breakdown(step_profile.load(tmp_path / "t.json")))
+    assert "the compute stream (stream 7): 0.23 ms busy, 0.30 ms idle per step" in table
+    assert "| deep_ep::intranode::dispatch<2, 768, 8192> | 0.10 | 0.5 |" in table

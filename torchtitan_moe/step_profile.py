@@ -15,7 +15,10 @@ ProfilerStep#N is training step N + 1) and their mean, it prints:
              blocking cudaMemcpy), their count and the host time spent in them
 
 then the kernels with the most GPU time per step, each with its class (GEMM, NCCL, Triton ours,
-Triton compiled, elementwise/copy, other), the GPU time per class, what the longest profiled step ran
+Triton compiled, elementwise/copy, other), the GPU time per class, the compute stream's idle time
+(the stream with the most kernel time: each gap between its kernels put on the kernel of another
+stream that ran through most of it, a DeepEP exchange or a collective the layer waits for, or on
+nothing: the host or an event), what the longest profiled step ran
 beyond the shortest (a logging or monitor step shows here), and where the idle time goes: each
 gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
 that thread and the op that launched; "after a sync" where the host had just waited for the GPU, so
@@ -163,7 +166,7 @@ def breakdown(events: list[Event]) -> dict:
             for key, (ms, count) in idle_by_host_op(events, steps, gpu, host, launched_by).items()]
     idle.sort(key=lambda r: -r["ms"])
     return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle,
-            "longest_step_extra": longest_step_extra(rows, by_step)}
+            "compute_idle": compute_stream_idle(gpu, launched), "longest_step_extra": longest_step_extra(rows, by_step)}
 
 
 def launched_in_steps(steps: list[Event], gpu: list[Event], launched_by: dict[int, Event]) -> list[list[Event]]:
@@ -178,6 +181,50 @@ def launched_in_steps(steps: list[Event], gpu: list[Event], launched_by: dict[in
         if i >= 0 and t < steps[i].end:
             launched[i].append(e)
     return launched
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its arguments and return type: 'deep_ep::intranode::dispatch<2, 768, 8192>'."""
+    return name.removeprefix("void ").replace("(anonymous namespace)", "{anonymous}").split("(")[0][:80]
+
+
+def compute_stream_idle(gpu: list[Event], launched: list[list[Event]]) -> dict:
+    """The compute stream (the one with the most kernel time) per step: its busy and idle time and the idle
+    time by what ran on another stream through most of each gap: {stream, busy_ms, idle_ms, beside: [{kernel,
+    ms, gaps}]}, ms per step. A step's gaps are those before each of its kernels, from the end of the
+    stream's previous kernel (the step before's last one for its first)."""
+    time_on = defaultdict(float)
+    for e in gpu:
+        time_on[e.thread] += e.end - e.start
+    if not time_on or not launched:
+        return {}
+    stream = max(time_on, key=time_on.get)
+    mine = sorted((e for events in launched for e in events if e.thread == stream), key=lambda e: e.start)
+    gaps, reach = [], None
+    for e in mine:  # one stream runs its kernels in launch order: the steps' follow each other
+        if reach is not None and e.start > reach:
+            gaps.append((reach, e.start))
+        reach = e.end if reach is None else max(reach, e.end)
+    busy = union_length([(e.start, e.end) for e in mine])
+    # Each gap's cover by the other streams' events, kernel by kernel (gaps are disjoint and in order).
+    starts = [g[0] for g in gaps]
+    cover = [defaultdict(float) for _ in gaps]
+    for e in gpu:
+        if e.thread == stream:
+            continue
+        j = bisect.bisect_left(starts, e.end) - 1
+        while j >= 0 and gaps[j][1] > e.start:
+            cover[j][short_name(e.name)] += min(gaps[j][1], e.end) - max(gaps[j][0], e.start)
+            j -= 1
+    beside = defaultdict(lambda: [0.0, 0])
+    for (start, end), kernels in zip(gaps, cover):
+        key = max(kernels, key=kernels.get) if kernels else "(nothing: the host, or an event)"
+        beside[key][0] += end - start
+        beside[key][1] += 1
+    n = len(launched)
+    return {"stream": stream[1], "busy_ms": busy / n / 1e3, "idle_ms": sum(e - s for s, e in gaps) / n / 1e3,
+            "beside": sorted(({"kernel": k, "ms": ms / n / 1e3, "gaps": c / n} for k, (ms, c) in beside.items()),
+                             key=lambda r: -r["ms"])}
 
 
 def longest_step_extra(rows: list[dict], by_step: list[dict], top: int = 8) -> list[dict]:
@@ -244,6 +291,12 @@ def render(result: dict, top: int = 15) -> str:
               "| class | ms per step | share |", "|---|---|---|"]
     for name, ms in sorted(result["classes"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {name} | {ms:.2f} | {100 * ms / kernel_ms:.1f}% |")
+    idle = result.get("compute_idle")
+    if idle:
+        lines += ["", f"the compute stream (stream {idle['stream']}): {idle['busy_ms']:.2f} ms busy, {idle['idle_ms']:.2f} ms "
+                  "idle per step; its idle time by the kernel of another stream that ran through most of each gap:", "",
+                  "| beside | idle ms per step | gaps per step |", "|---|---|---|"]
+        lines += [f"| {r['kernel']} | {r['ms']:.2f} | {r['gaps']:.1f} |" for r in idle["beside"][:top]]
     lines += ["", f"top {top} kernels:", "", "| kernel | class | ms per step | calls per step | share |", "|---|---|---|---|---|"]
     for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["ms"])[:top]:
         lines.append(f"| {name[:80]} | {k['class']} | {k['ms']:.3f} | {k['calls']:.1f} | {100 * k['ms'] / kernel_ms:.1f}% |")
@@ -270,6 +323,9 @@ def compare_ranks(by_rank: dict[int, dict], top: int = 8) -> str:
     lines = [head, "|---|" + "---|" * len(ranks)]
     for key, label in (("wall_ms", "wall ms"), ("gpu_busy_ms", "GPU busy ms")):
         lines.append(f"| {label} | " + " | ".join(f"{by_rank[r]['mean'][key]:.2f}" for r in ranks) + " |")
+    for key, label in (("busy_ms", "compute stream busy ms"), ("idle_ms", "compute stream idle ms")):
+        lines.append(f"| {label} | " + " | ".join(f"{by_rank[r].get('compute_idle', {}).get(key, 0.0):.2f}"
+                                                   for r in ranks) + " |")
     classes = sorted({c for r in ranks for c in by_rank[r]["classes"]}, key=lambda c: -by_rank[ranks[0]]["classes"].get(c, 0.0))
     for c in classes:
         lines.append(f"| {c} ms | " + " | ".join(f"{by_rank[r]['classes'].get(c, 0.0):.2f}" for r in ranks) + " |")

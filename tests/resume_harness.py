@@ -15,6 +15,8 @@ PLAN.json is a list of operations that every rank runs in order:
                                                has one rank, as before they stayed outside it)
     {"train": [...], "clip": "torchtitan"}       with torchtitan's clip_grad_norm_ (a multiply of the gradients)
                                                instead of ours (the clipping inside the optimizer's update)
+    {"train": [...], "step": "torchtitan"}       with torchtitan's Trainer.train_step (host syncs at its start)
+                                               instead of ours (train_step.py)
     {"host_syncs": [override, ...], "out": path}  a 3-step run; rank 0 writes the host syncs of each training
                                                step that logs nothing (steps 2 and 3) as a JSON list
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
@@ -34,7 +36,7 @@ import torch.distributed as dist
 
 from torchtitan_moe import convert, train_runs
 from torchtitan_moe.checkpoint import CheckpointError
-from torchtitan_moe.torchtitan_compat import replace_clip_grad_norm
+from torchtitan_moe.torchtitan_compat import Trainer, replace_clip_grad_norm
 from torchtitan_moe.train_runs import shared_group
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
@@ -75,6 +77,16 @@ def data_of_ranks(n: int):
 def torchtitans_clip(trainer) -> None:
     """adapt(trainer) for `train`: torchtitan's own gradient clipping, as before clip_in_optimizer."""
     replace_clip_grad_norm(lambda torchtitan_clip: torchtitan_clip)
+
+
+def torchtitans_step(trainer) -> None:
+    """adapt(trainer) for `train`: torchtitan's own train step (with its host syncs), as before train_step.py."""
+
+    def step(data_iterator):
+        trainer._local_losses = []
+        Trainer.train_step(trainer, data_iterator)
+
+    trainer.train_step = step
 
 
 def host_syncs(overrides: list[str], out: str) -> None:
@@ -193,6 +205,8 @@ def run_plan(plan: list[dict]) -> None:
                 train_recording_experts(op["train"], op["experts"], op.get("experts_in_fsdp", False))
             elif "train" in op and op.get("clip") == "torchtitan":
                 train(op["train"], torchtitans_clip)
+            elif "train" in op and op.get("step") == "torchtitan":
+                train(op["train"], torchtitans_step)
             elif "train" in op:
                 train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)
             elif "host_syncs" in op:

@@ -46,6 +46,9 @@ RUNS = {
     "bf16_moments": ["--training.steps", "4", "--optimizer.moments_dtype", "bfloat16", "--checkpoint.enable",
                      "--checkpoint.interval", "4"],
 }
+# Our train step (no host syncs) against torchtitan's, on the recipe run: 2 micro-batches a step, a
+# global token count over 2 ranks, the balance loss over both, logging every step.
+RUNS["recipe_torchtitan_step"] = RUNS["recipe"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
 # step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
 # torch's fused AdamW and with ours (bf16 moments, and fp32 moments: [optimizer] update = "triton").
@@ -86,6 +89,8 @@ def launched(tmp_path_factory) -> Path:
             op.update(experts=str(d / f"{name}.experts.json"), experts_in_fsdp=name.endswith("in_fsdp"))
         if name.endswith("_torchtitan_clip"):
             op.update(clip="torchtitan")
+        if name.endswith("_torchtitan_step"):
+            op.update(step="torchtitan")
     torchrun_plan(plan, d)
     return d
 
@@ -192,6 +197,15 @@ def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):
                if k.startswith("optimizer.state.") and "exp_avg" in k}
     assert set(moments) == {f"{w}.{m}" for w in weights for m in ("exp_avg", "exp_avg_sq")}
     assert set(moments.values()) == {torch.bfloat16}, moments
+
+
+def test_our_train_step_trains_as_torchtitans_bit_for_bit(runs):
+    # train_step.py is torchtitan's step without its host syncs: the same losses, grad norms and MoE statistics.
+    ours, theirs = runs["recipe"], runs["recipe_torchtitan_step"]
+    assert len(ours) == len(theirs) == 3
+    for a, b in zip(ours, theirs):
+        assert (a["loss"], a["grad_norm"], a["moe/tokens_per_expert"]) == (b["loss"], b["grad_norm"],
+                                                                           b["moe/tokens_per_expert"])
 
 
 @pytest.mark.parametrize("moments", ["float32", "bfloat16", "float32_triton"])

@@ -30,6 +30,7 @@ class HostSyncs(HostReads):
     def __init__(self, cuda: bool = False):
         super().__init__()
         self.cuda = cuda
+        self.syncs: list[str] = []  # with cuda=True: where each sync was called (file:line)
 
     def __enter__(self):
         if self.cuda:

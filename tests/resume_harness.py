@@ -106,7 +106,7 @@ def host_syncs(overrides: list[str], out: str) -> None:
             with HostSyncs(cuda=torch.cuda.is_available()) as syncs:
                 step(batches)
             counts.append(syncs.count)
-            if getattr(syncs, "syncs", None):
+            if syncs.syncs:
                 print(f"rank {dist.get_rank()} step {trainer.step}: host syncs at {syncs.syncs}", file=sys.stderr)
 
         trainer.train_step = counted

@@ -151,3 +151,63 @@ def test_a_compiled_forward_without_copies_says_what_to_call():
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match=r"no working copies yet.*refresh_working_copies\(\)"):
         compiled(batch)
+
+
+class FakeRoot(nn.Module):
+    """A model part in place of an FSDP2 root (optimizer.FSDPModule patched to it): keeps the events it is given."""
+
+    def __init__(self, *modules):
+        super().__init__()
+        self.parts = nn.ModuleList(modules)
+        self.given: list[tuple[object, int]] = []  # (event, updates done when it was given)
+
+
+def test_adamw_updates_the_experts_last_and_gives_fsdp_an_event_before_them(monkeypatch):
+    """Our AdamW updates FSDP's sharded parameters first and then the experts (outside FSDP2), handing the
+    FSDP root whose parameters it updates an event between the two (on a GPU: the next forward's all-gathers
+    wait for it instead of the whole update); the update of each parameter is the one of the optimizer's order."""
+    import torchtitan_moe.optimizer as optimizer_module
+
+    def run(attach: bool, steps: int = 2):
+        experts, batch = experts_and_batch()
+        torch.manual_seed(2)
+        dense = nn.Linear(D, D).to(DEVICE)  # stands for FSDP's sharded parameters
+        part, other = FakeRoot(experts, dense), FakeRoot(nn.Linear(2, 2))  # the experts first in the optimizer
+        updates = []
+        real = optimizer_module.adamw_step_
+
+        def spy(param, *args, **kwargs):
+            updates.append(param.data_ptr())
+            return real(param, *args, **kwargs)
+
+        monkeypatch.setattr(optimizer_module, "adamw_step_", spy)
+        monkeypatch.setattr(optimizer_module, "FSDPModule", FakeRoot)
+        part.set_post_optim_event = lambda event: part.given.append((event, len(updates)))
+        other.set_post_optim_event = lambda event: other.given.append((event, len(updates)))
+        optimizers = OptimizersContainer([part], AdamW, dict(lr=0.5, moments_dtype=torch.bfloat16))
+        if attach:
+            attach_working_copies(optimizers, [part, other])
+            # a root whose parameters another optimizer updates gets no event: it would come too early
+            assert optimizers.optimizers[0].fsdp_roots == [part]
+        for _ in range(steps):
+            dense.zero_grad()
+            y = step_results(experts, batch, experts)[0]
+            (dense(y.float()).sum()).backward()
+            updates.clear()
+            optimizers.step()
+            experts.mark_working_stale()  # unattached: the forward casts the copies again
+        names = {p.data_ptr(): name for name, p in part.named_parameters()}
+        return [p.detach().clone() for p in part.parameters()], [names[u] for u in updates], part.given, other.given
+
+    ours, order, given, other_given = run(attach=True)
+    theirs, their_order, *_ = run(attach=False)
+    experts, dense = ["parts.0.w13", "parts.0.w2"], ["parts.1.weight", "parts.1.bias"]
+    assert their_order == experts + dense  # the optimizer's order
+    assert order == dense + experts
+    assert other_given == []
+    if DEVICE == "cuda":
+        assert [n for _, n in given] == [2, 2] and all(isinstance(e, torch.cuda.Event) for e, _ in given)
+    else:
+        assert given == []  # no streams to order on the CPU
+    for a, b in zip(ours, theirs):  # each parameter's update (its stochastic rounding seeded by its place) kept
+        assert torch.equal(a, b)

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from torchtitan_moe.moe.experts import GroupedExperts
@@ -69,40 +68,29 @@ class AdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        index = 0  # the parameter's place in the optimizer: with the step, the seed of its rounding
         grad_scale = getattr(self, "grad_scale", None)  # set by clip_in_optimizer, as torch's AdamW reads it
         working_copies = getattr(self, "working_copies", {})  # set by attach_working_copies
-        # The parameter's place in the optimizer (from 1): with the step, the seed of its rounding.
-        places = [(index, group, p) for index, (group, p) in
-                  enumerate(((group, p) for group in self.param_groups for p in group["params"]), start=1)]
-        # FSDP's sharded parameters first, then the experts outside FSDP2: the next forward's all-gathers
-        # (FSDP's root waits them on the event) run beside the experts' update instead of after it.
-        experts = [place for place in places if place[2] in working_copies]
-        for index, group, p in [place for place in places if place[2] not in working_copies]:
-            self._update(p, group, index, grad_scale, None)
-        if experts and experts[0][2].is_cuda:
-            event = torch.cuda.current_stream().record_event()
-            for root in getattr(self, "fsdp_roots", ()):
-                root.set_post_optim_event(event)
-        for index, group, p in experts:
-            module, name = working_copies[p]
-            working = module.working_copy(name)
-            if self._update(p, group, index, grad_scale, working) and working is not None:
-                module.current.add(name)  # the copy is the new weight's cast: no cast before the next forward
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                state = self._state(p)
+                state["step"] += 1
+                step = int(state["step"])
+                backend = "triton" if p.is_cuda else "torch"
+                experts, name = working_copies.get(p, (None, None))
+                working = experts.working_copy(name) if experts is not None else None
+                adamw_step_(_local(p), _local(p.grad).contiguous(), _local(state["exp_avg"]),
+                            _local(state["exp_avg_sq"]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
+                            seed=(step * 1_000_003 + index) % 2**31, grad_scale=grad_scale, working=working,
+                            backend=backend)
+                if working is not None:
+                    experts.current.add(name)  # the copy is the new weight's cast: no cast before the next forward
         return loss
-
-    def _update(self, p: torch.Tensor, group: dict, index: int, grad_scale, working: torch.Tensor | None) -> bool:
-        """One parameter's update (and its working copy's, where there is one); False: no gradient, none."""
-        if p.grad is None:
-            return False
-        beta1, beta2 = group["betas"]
-        state = self._state(p)
-        state["step"] += 1
-        step = int(state["step"])
-        adamw_step_(_local(p), _local(p.grad).contiguous(), _local(state["exp_avg"]), _local(state["exp_avg_sq"]),
-                    lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"], step=step, seed=(step * 1_000_003 + index) % 2**31,
-                    grad_scale=grad_scale, working=working, backend="triton" if p.is_cuda else "torch")
-        return True
 
     def load_state_dict(self, state_dict) -> None:
         # torch.optim.Optimizer casts loaded state to each parameter's dtype (fp32): store it back.
@@ -139,12 +127,7 @@ def attach_working_copies(optimizers, model_parts) -> None:
     """Keep the experts' working copies (moe/experts.py) the casts of their weights across optimizer
     steps: every step of `optimizers` (torchtitan's container) marks them stale first; our AdamW
     writes each copy in its update and marks it current; after the step the copies still stale
-    (torch's AdamW) are cast, so that the forward finds them current.
-
-    Our AdamW also updates the experts last and gives the FSDP roots among `model_parts` whose
-    parameters it updates an event after their sharded parameters' update (FSDP2's
-    set_post_optim_event): the next forward's all-gathers then start while the experts' update runs
-    (2.4 of the 2.8 billion parameters a rank updates at EP = 2) instead of after it."""
+    (torch's AdamW) are cast, so that the forward finds them current."""
     experts = [m for part in model_parts for m in part.modules()
                if isinstance(m, GroupedExperts) and m.has_working_copies]
     if not experts:
@@ -161,13 +144,9 @@ def attach_working_copies(optimizers, model_parts) -> None:
     optimizers.register_step_pre_hook(mark_stale)
     optimizers.register_step_post_hook(refresh)
     targets = {getattr(e, name): (e, name) for e in experts for name in e.WEIGHTS}
-    roots = [part for part in model_parts if isinstance(part, FSDPModule)]
     for optimizer in getattr(optimizers, "optimizers", [optimizers]):
         if isinstance(optimizer, AdamW):
             optimizer.working_copies = targets
-            updated = {p for group in optimizer.param_groups for p in group["params"]}
-            # Only roots whose every parameter this optimizer updates: another's event would come too early.
-            optimizer.fsdp_roots = [root for root in roots if all(p in updated for p in root.parameters())]
 
 
 def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:

@@ -237,3 +237,32 @@ def test_compute_stream_idle_goes_to_the_kernel_running_beside_each_gap(tmp_path
     table = step_profile.render(step_profile.breakdown(step_profile.load(tmp_path / "t.json")))
     assert "the compute stream (stream 7): 0.23 ms busy, 0.30 ms idle per step" in table
     assert "| deep_ep::intranode::dispatch<2, 768, 8192> | 0.10 | 0.5 |" in table
+
+
+def test_gemms_started_beside_another_streams_kernel_against_the_same_gemm_alone(tmp_path):
+    """One step of 2000 µs. The compute stream (7) runs a grouped GEMM G three times: 0-100 and 1000-1100
+    alone, 400-700 started while an all-gather (stream 20, 350-450) ran: 200 µs over the median alone. The
+    dense GEMM D starts at 800, as a reduce-scatter ends (720-800: not running), and the Triton kernel at
+    360 runs beside the all-gather: neither counts. The trace comes back gzipped (read as it is)."""
+    import gzip
+
+    grouped = "_ZN7cutlass13device_kernelIN2at4cuda6detail25enable_3x_kernel_for_sm9xINS_4gemm6kernel" + "S27_" * 10
+    events = [
+        event("ProfilerStep#3", "user_annotation", 0, 2000),
+        *[event(grouped, "kernel", t, d, tid=7) for t, d in ((0, 100), (400, 300), (1000, 100))],
+        event("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "kernel", 800, 100, tid=7),
+        event("_swiglu_prob_fwd_kernel", "kernel", 360, 30, tid=7),
+        event("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 350, 100, tid=20),
+        event("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 720, 80, tid=20),
+    ]
+    path = tmp_path / "rank0_trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": events}).encode()))
+    result = step_profile.breakdown(step_profile.load(path))
+    assert result["gemms_beside"] == [{"name": grouped, "alone": 2, "alone_us": 100.0, "beside": 1, "beside_us": 300.0,
+                                       "extra_ms": pytest.approx(0.2), "by": "ncclDevKernel_AllGather_RING_LL"}]
+    table = step_profile.render(result)
+    assert "GEMMs started while another stream's kernel ran" in table
+    assert f"| {step_profile.abbreviate(grouped)} | 2, 100.0 | 1, 300.0 | 0.20 | ncclDevKernel_AllGather_RING_LL |" in table
+    assert step_profile.abbreviate(grouped).endswith(grouped[-25:])  # the tail that tells the variants apart
+    side = step_profile.compare_ranks({0: result, 1: step_profile.breakdown(step_profile.load(path))})
+    assert "| GEMMs' extra beside other streams ms | 0.20 | 0.20 |" in side

@@ -1,6 +1,6 @@
 """Where a training step's time goes, from one rank's torch.profiler trace.
 
-    python -m torchtitan_moe.step_profile TRACE.json [TRACE.json ...] [--top 15] [--json OUT.json]
+    python -m torchtitan_moe.step_profile TRACE.json[.gz] [TRACE.json ...] [--top 15] [--json OUT.json]
 
 TRACE is a chrome trace as torchtitan's `[profiling]` writes it
 (<dump>/<save_traces_folder>/iteration_N/rankR_trace.json; `bench_train --profile` turns it on).
@@ -18,8 +18,10 @@ then the kernels with the most GPU time per step, each with its class (GEMM, NCC
 Triton compiled, elementwise/copy, other), the GPU time per class, the compute stream's idle time
 (the stream with the most kernel time: each gap between its kernels put on the kernel of another
 stream that ran through most of it, a DeepEP exchange or a collective the layer waits for, or on
-nothing: the host or an event), what the longest profiled step ran
-beyond the shortest (a logging or monitor step shows here), and where the idle time goes: each
+nothing: the host or an event), the compute stream's GEMMs that started while a kernel of another
+stream ran (a persistent GEMM launches one CTA per SM; those without a free SM wait for that kernel,
+and a collective spinning for a late rank holds its SMs for as long) against the same GEMM started
+alone, what the longest profiled step ran beyond the shortest (a logging or monitor step shows here), and where the idle time goes: each
 gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
 that thread and the op that launched; "after a sync" where the host had just waited for the GPU, so
 the gap is its time to launch again). A step's kernels (their times, classes and the longest step's
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import re
 import statistics
@@ -91,10 +94,11 @@ class Nesting:
 
 
 def load(path: str | Path) -> list[Event]:
-    """The complete ('X') events of a chrome trace."""
+    """The complete ('X') events of a chrome trace (.json, or gzipped as the device tool brings traces back)."""
     try:
-        trace = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = Path(path).read_bytes()
+        trace = json.loads(gzip.decompress(data) if data[:2] == b"\x1f\x8b" else data)
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as e:
         raise SystemExit(f"step_profile: cannot read {path} as a chrome trace: {e}") from e
     raw = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     return [Event(e["name"], e.get("cat", ""), float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)),
@@ -166,7 +170,8 @@ def breakdown(events: list[Event]) -> dict:
             for key, (ms, count) in idle_by_host_op(events, steps, gpu, host, launched_by).items()]
     idle.sort(key=lambda r: -r["ms"])
     return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle,
-            "compute_idle": compute_stream_idle(gpu, launched), "longest_step_extra": longest_step_extra(rows, by_step)}
+            "compute_idle": compute_stream_idle(gpu, launched), "gemms_beside": gemms_beside_other_streams(gpu, launched),
+            "longest_step_extra": longest_step_extra(rows, by_step)}
 
 
 def launched_in_steps(steps: list[Event], gpu: list[Event], launched_by: dict[int, Event]) -> list[list[Event]]:
@@ -193,12 +198,9 @@ def compute_stream_idle(gpu: list[Event], launched: list[list[Event]]) -> dict:
     time by what ran on another stream through most of each gap: {stream, busy_ms, idle_ms, beside: [{kernel,
     ms, gaps}]}, ms per step. A step's gaps are those before each of its kernels, from the end of the
     stream's previous kernel (the step before's last one for its first)."""
-    time_on = defaultdict(float)
-    for e in gpu:
-        time_on[e.thread] += e.end - e.start
-    if not time_on or not launched:
+    stream = compute_stream(gpu)
+    if stream is None or not launched:
         return {}
-    stream = max(time_on, key=time_on.get)
     mine = sorted((e for events in launched for e in events if e.thread == stream), key=lambda e: e.start)
     gaps, reach = [], None
     for e in mine:  # one stream runs its kernels in launch order: the steps' follow each other
@@ -225,6 +227,59 @@ def compute_stream_idle(gpu: list[Event], launched: list[list[Event]]) -> dict:
     return {"stream": stream[1], "busy_ms": busy / n / 1e3, "idle_ms": sum(e - s for s, e in gaps) / n / 1e3,
             "beside": sorted(({"kernel": k, "ms": ms / n / 1e3, "gaps": c / n} for k, (ms, c) in beside.items()),
                              key=lambda r: -r["ms"])}
+
+
+def compute_stream(gpu: list[Event]) -> tuple | None:
+    """The stream (its (pid, tid)) with the most kernel time."""
+    time_on = defaultdict(float)
+    for e in gpu:
+        time_on[e.thread] += e.end - e.start
+    return max(time_on, key=time_on.get) if time_on else None
+
+
+def gemms_beside_other_streams(gpu: list[Event], launched: list[list[Event]]) -> list[dict]:
+    """The compute stream's GEMMs that started while a kernel of another stream ran (a collective waiting
+    for a late rank, a DeepEP kernel) against those that started alone, kernel by kernel: a persistent
+    GEMM launches one CTA per SM, and the CTAs with no SM free wait for the other kernel to end.
+    -> [{name, alone, alone_us, beside, beside_us, extra_ms, by}], extra_ms (per step) = the time of those
+    started beside another kernel over the median of those started alone; `by`: the kernel most often there."""
+    stream = compute_stream(gpu)
+    if stream is None or not launched:
+        return []
+    others = sorted((e for e in gpu if e.thread != stream and e.cat == "kernel"), key=lambda e: e.start)
+    starts = [e.start for e in others]
+    reach, furthest = float("-inf"), []  # the latest end among the kernels started so far
+    for e in others:
+        reach = max(reach, e.end)
+        furthest.append(reach)
+
+    def running_at(t: float) -> Event | None:
+        i = bisect.bisect_right(starts, t) - 1
+        if i < 0 or furthest[i] <= t:
+            return None
+        while others[i].end <= t:  # one of those started by t still runs: the latest such
+            i -= 1
+        return others[i]
+
+    times = defaultdict(lambda: ([], [], defaultdict(int)))  # name -> (alone µs, beside µs, who was beside)
+    for e in (e for events in launched for e in events):
+        if e.thread != stream or e.cat != "kernel" or kernel_class(e.name) != "GEMM":
+            continue
+        alone, beside, by = times[e.name]
+        other = running_at(e.start)
+        (alone if other is None else beside).append(e.end - e.start)
+        if other is not None:
+            by[short_name(other.name)] += 1
+    rows = []
+    for name, (alone, beside, by) in times.items():
+        if not beside:
+            continue
+        median_alone = statistics.median(alone) if alone else None
+        extra = sum(t - median_alone for t in beside) if alone else 0.0
+        rows.append({"name": name, "alone": len(alone), "alone_us": median_alone, "beside": len(beside),
+                     "beside_us": statistics.median(beside), "extra_ms": extra / len(launched) / 1e3,
+                     "by": max(by, key=by.get)})
+    return sorted(rows, key=lambda r: -r["extra_ms"])
 
 
 def longest_step_extra(rows: list[dict], by_step: list[dict], top: int = 8) -> list[dict]:
@@ -297,6 +352,15 @@ def render(result: dict, top: int = 15) -> str:
                   "idle per step; its idle time by the kernel of another stream that ran through most of each gap:", "",
                   "| beside | idle ms per step | gaps per step |", "|---|---|---|"]
         lines += [f"| {r['kernel']} | {r['ms']:.2f} | {r['gaps']:.1f} |" for r in idle["beside"][:top]]
+    if result.get("gemms_beside"):
+        lines += ["", "the compute stream's GEMMs started while another stream's kernel ran (a persistent GEMM's "
+                  "CTAs without a free SM wait for it), against the same GEMM started alone:", "",
+                  "| GEMM | alone: calls, median µs | beside: calls, median µs | extra ms per step | mostly beside |",
+                  "|---|---|---|---|---|"]
+        for r in result["gemms_beside"][:top]:
+            alone = f"{r['alone']}, {r['alone_us']:.1f}" if r["alone"] else "0, -"
+            lines.append(f"| {abbreviate(r['name'])} | {alone} | {r['beside']}, {r['beside_us']:.1f} | "
+                         f"{r['extra_ms']:.2f} | {r['by'][:50]} |")
     lines += ["", f"top {top} kernels:", "", "| kernel | class | ms per step | calls per step | share |", "|---|---|---|---|---|"]
     for name, k in sorted(result["kernels"].items(), key=lambda kv: -kv[1]["ms"])[:top]:
         lines.append(f"| {name[:80]} | {k['class']} | {k['ms']:.3f} | {k['calls']:.1f} | {100 * k['ms'] / kernel_ms:.1f}% |")
@@ -315,6 +379,11 @@ def render(result: dict, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def abbreviate(name: str, width: int = 80) -> str:
+    """A long kernel name's head and tail: CUTLASS kernels differ only at the end of their mangled names."""
+    return name if len(name) <= width else f"{name[:width - 28]}...{name[-25:]}"
+
+
 def compare_ranks(by_rank: dict[int, dict], top: int = 8) -> str:
     """by_rank: rank -> breakdown(). Per rank: mean wall, GPU busy and GPU time per class; then the
     `top` kernels whose per-step time differs most between the ranks."""
@@ -326,6 +395,8 @@ def compare_ranks(by_rank: dict[int, dict], top: int = 8) -> str:
     for key, label in (("busy_ms", "compute stream busy ms"), ("idle_ms", "compute stream idle ms")):
         lines.append(f"| {label} | " + " | ".join(f"{by_rank[r].get('compute_idle', {}).get(key, 0.0):.2f}"
                                                    for r in ranks) + " |")
+    lines.append("| GEMMs' extra beside other streams ms | " + " | ".join(
+        f"{sum(g['extra_ms'] for g in by_rank[r].get('gemms_beside', [])):.2f}" for r in ranks) + " |")
     classes = sorted({c for r in ranks for c in by_rank[r]["classes"]}, key=lambda c: -by_rank[ranks[0]]["classes"].get(c, 0.0))
     for c in classes:
         lines.append(f"| {c} ms | " + " | ".join(f"{by_rank[r]['classes'].get(c, 0.0):.2f}" for r in ranks) + " |")

@@ -90,6 +90,7 @@ TYPES = [
     ("training", "mixed_precision_param", "float16", "[training] mixed_precision_param", "'bfloat16'"),
     ("optimizer", "moments_dtype", "float16", "[optimizer] moments_dtype", "'float32' | 'bfloat16'"),
     ("optimizer", "update", "cuda", "[optimizer] update", "'auto' | 'torch' | 'triton'"),
+    ("optimizer", "expert_grad_dtype", "float16", "[optimizer] expert_grad_dtype", "'float32' | 'bfloat16'"),
 ]
 
 # Everything else that names a key: unknown sections and keys, replaced keys, and combinations.
@@ -149,6 +150,14 @@ OTHERS = [
     (["--optimizer.update", "triton", "--optimizer.name", "Adam"], "[optimizer] update = 'triton' is for name = 'AdamW'"),
     (["--optimizer.update", "triton", "--optimizer.early_step_in_backward"],
      "[optimizer] update = 'triton' with early_step_in_backward = true"),
+    (["--optimizer.expert_grad_dtype", "bfloat16"],
+     "[optimizer] expert_grad_dtype = 'bfloat16' keeps the experts' gradients on their bf16 working copies: needs "
+     "[training] mixed_precision_param = 'bfloat16'"),
+    (["--optimizer.expert_grad_dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16", "--optimizer.update",
+      "torch"], "[optimizer] expert_grad_dtype = 'bfloat16' is read by our AdamW"),
+    (["--optimizer.expert_grad_dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16",
+      "--training.global_batch_size", "32", "--nproc", "2"],
+     "[optimizer] expert_grad_dtype = 'bfloat16' keeps one backward's gradients: global_batch_size = 32 accumulates 2"),
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 

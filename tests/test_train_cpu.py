@@ -40,6 +40,10 @@ RUNS = {
     "ep2_bf16_adamw_experts_in_fsdp": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
                                        "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype",
                                        "bfloat16", "--checks.monitor_freq", "2"],
+    # The same with the experts' gradients kept on their bf16 working copies ([optimizer] expert_grad_dtype).
+    "kept_grads_ep2_bf16_adamw": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
+                                  "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype",
+                                  "bfloat16", "--checks.monitor_freq", "2", "--optimizer.expert_grad_dtype", "bfloat16"],
     "recipe": ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
                "--training.global_batch_size", "32", "--router.balance_loss", "global_batch",
                "--router.balance_loss_coeff", "0.01", "--router.z_loss_coeff", "0.001"],
@@ -169,6 +173,18 @@ def test_experts_outside_fsdp_train_as_under_it_without_its_copies(runs, launche
     outside, inside = runs[name], runs[f"{name}_experts_in_fsdp"]
     assert len(outside) == 4
     assert [(r["loss"], r["grad_norm"]) for r in outside] == [(r["loss"], r["grad_norm"]) for r in inside]
+
+
+def test_expert_gradients_kept_in_bf16_train_as_the_fp32_ones(runs):
+    # EP = 2 on 2 processes, experts outside FSDP2: their gradients stay on the bf16 working copies, the same
+    # values as the fp32 copies (widening is exact). The norm sums the squares of each rank's shards over the
+    # EP ranks: the same norm up to fp32 order. Below max_norm (1.0) nothing is clipped, so AdamW reads the
+    # same values either way and the losses are equal to the bit.
+    kept, fp32 = runs["kept_grads_ep2_bf16_adamw"], runs["ep2_bf16_adamw"]
+    assert len(kept) == len(fp32) == 4
+    for a, b in zip(kept, fp32):
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5) and b["grad_norm"] < 1.0
+        assert a["loss"] == b["loss"]
 
 
 def test_router_recipe_terms_are_logged_each_on_its_own(runs):

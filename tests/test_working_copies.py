@@ -151,3 +151,113 @@ def test_a_compiled_forward_without_copies_says_what_to_call():
     compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
     with pytest.raises(Exception, match=r"no working copies yet.*refresh_working_copies\(\)"):
         compiled(batch)
+
+
+def kept(experts, optimizers, **kwargs):
+    from torchtitan_moe.optimizer import keep_expert_gradients
+
+    attach_working_copies(optimizers, [experts])
+    keep_expert_gradients(optimizers, [experts], **{"accumulation_steps": 1, "pipeline": False, **kwargs})
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gradients_kept_on_the_working_copies_train_as_the_fp32_gradients(compiled):
+    """[optimizer] expert_grad_dtype = "bfloat16": the GEMMs' weight gradients stay on the bf16 working copies
+    (the masters get none), with the bits of the fp32 gradients they replace (widening is exact); our AdamW
+    reads them and steps as it does from the fp32 ones, bit for bit, and each step drops them; the norm the
+    clipping uses is the same up to fp32 summation order. Eager and compiled (the copies are graph inputs)."""
+    from torchtitan_moe.optimizer import total_grad_norm
+
+    runs = {}
+    for keep in (False, True):
+        experts, batch = experts_and_batch()
+        optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5, moments_dtype=torch.bfloat16))
+        if keep:
+            kept(experts, optimizers)
+        else:
+            attach_working_copies(optimizers, [experts])
+        targets = optimizers.optimizers[0].working_copies
+        forward = torch.compile(experts, backend="aot_eager", fullgraph=True) if compiled else experts
+        grads, norms = [], []
+        for _ in range(3):
+            experts.refresh_working_copies()  # the model's pre-forward hook, outside the compiled graph
+            optimizers.zero_grad()
+            y = forward(batch)[:20]
+            y.backward(torch.ones_like(y))
+            grads.append([experts.gradient(name).float() for name in experts.WEIGHTS])
+            norms.append(total_grad_norm(list(experts.parameters()), ep_enabled=False, working_copies=targets))
+            if keep:
+                assert experts.w13.grad is None and experts.w2.grad is None
+                assert {experts.gradient(n).dtype for n in experts.WEIGHTS} == {torch.bfloat16}
+            optimizers.step()
+            if keep:
+                assert all(copy.grad is None for copy in experts.working.values())  # dropped after the step
+        runs[keep] = grads, norms, [p.detach().clone() for p in experts.parameters()]
+    (fp32_grads, fp32_norms, fp32_weights), (grads, norms, weights) = runs[False], runs[True]
+    for a, b in zip(fp32_grads, grads):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(fp32_weights, weights):
+        assert torch.equal(a, b)
+    for a, b in zip(fp32_norms, norms):
+        assert b.item() == pytest.approx(a.item(), rel=1e-6)
+
+
+def test_gradients_kept_on_the_working_copies_are_cleared_by_zero_grad():
+    experts, batch = experts_and_batch()
+    optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5))
+    kept(experts, optimizers)
+    for _ in range(2):  # a second backward without a step would add to the first: zero_grad drops it
+        optimizers.zero_grad()
+        y = experts(batch)[:20]
+        y.backward(torch.ones_like(y))
+    once = experts.gradient("w2").clone()
+    optimizers.zero_grad()
+    assert experts.gradient("w2") is None
+    y = experts(batch)[:20]
+    y.backward(torch.ones_like(y))
+    assert torch.equal(experts.gradient("w2"), once)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("accumulation", r'expert_grad_dtype = "bfloat16".*accumulates 2 micro-batches'),
+    ("pipeline", r"pipeline parallelism"),
+    ("torch_adamw", r"needs our AdamW"),
+    ("no_copies", r"outside FSDP2.*this run has none"),
+])
+def test_kept_gradients_are_refused_where_a_step_would_not_read_them(case, message):
+    from torchtitan_moe.config import ConfigError
+
+    experts, _ = experts_and_batch(working=case != "no_copies")
+    optimizer = torch.optim.AdamW if case == "torch_adamw" else AdamW
+    optimizers = OptimizersContainer([experts], optimizer, dict(lr=0.5))
+    with pytest.raises(ConfigError, match=message):
+        kept(experts, optimizers, accumulation_steps=2 if case == "accumulation" else 1, pipeline=case == "pipeline")
+    assert not experts.working_gradients
+
+
+def test_torchtitans_clip_is_refused_where_the_gradients_are_kept():
+    from torchtitan_moe.optimizer import clip_in_optimizer
+
+    experts, batch = experts_and_batch()
+    optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5))
+    kept(experts, optimizers)
+    clip = clip_in_optimizer(optimizers, lambda *args: pytest.fail("torchtitan's clip would miss the kept gradients"))
+    y = experts(batch)[:20]
+    y.backward(torch.ones_like(y))
+    assert clip(list(experts.parameters()), 1.0).item() > 0
+    with pytest.raises(RuntimeError, match="torchtitan's clip_grad_norm_ does not read"):
+        clip(list(experts.parameters()), 1.0, norm_type=1.0)
+
+
+def test_the_monitors_grad_norm_counts_the_kept_gradients():
+    from torchtitan_moe.checks.monitors import local_grad_norm
+
+    norms = []
+    for keep in (False, True):
+        experts, batch = experts_and_batch()
+        optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5))
+        kept(experts, optimizers) if keep else attach_working_copies(optimizers, [experts])
+        y = experts(batch)[:20]
+        y.backward(torch.ones_like(y))
+        norms.append(local_grad_norm([experts]).item())
+    assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-6)

@@ -25,11 +25,14 @@ and ours divide each gradient by as they read it; optimizers that cannot take it
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import GroupedExperts
 from torchtitan_moe.ops.adamw import adamw_step_
 from torchtitan_moe.torchtitan_compat import OptimizersContainer, build_optimizers as build_torchtitan_optimizers
@@ -75,15 +78,16 @@ class AdamW(torch.optim.Optimizer):
             beta1, beta2 = group["betas"]
             for p in group["params"]:
                 index += 1
-                if p.grad is None:
+                experts, name = working_copies.get(p, (None, None))
+                grad = p.grad if experts is None else experts.gradient(name)  # the experts': maybe bf16
+                if grad is None:
                     continue
                 state = self._state(p)
                 state["step"] += 1
                 step = int(state["step"])
                 backend = "triton" if p.is_cuda else "torch"
-                experts, name = working_copies.get(p, (None, None))
                 working = experts.working_copy(name) if experts is not None else None
-                adamw_step_(_local(p), _local(p.grad).contiguous(), _local(state["exp_avg"]),
+                adamw_step_(_local(p), _local(grad).contiguous(), _local(state["exp_avg"]),
                             _local(state["exp_avg_sq"]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
                             eps=group["eps"], weight_decay=group["weight_decay"], step=step,
                             seed=(step * 1_000_003 + index) % 2**31, grad_scale=grad_scale, working=working,
@@ -91,6 +95,11 @@ class AdamW(torch.optim.Optimizer):
                 if working is not None:
                     experts.current.add(name)  # the copy is the new weight's cast: no cast before the next forward
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for experts in {experts for experts, _ in getattr(self, "working_copies", {}).values()}:
+            experts.clear_working_gradients()
 
     def load_state_dict(self, state_dict) -> None:
         # torch.optim.Optimizer casts loaded state to each parameter's dtype (fp32): store it back.
@@ -149,6 +158,39 @@ def attach_working_copies(optimizers, model_parts) -> None:
             optimizer.working_copies = targets
 
 
+def keep_expert_gradients(optimizers, model_parts, accumulation_steps: int, pipeline: bool) -> None:
+    """[optimizer] expert_grad_dtype = "bfloat16": the experts' weight gradients stay on their bf16 working
+    copies (moe/experts.py), their exact values, instead of an fp32 copy for each master weight: at EP = 2
+    on 2 GPUs 2.4 billion expert weights a rank, whose fp32 gradients hold 9.7 GB (4.8 in bf16), a write of
+    them (ops.upcast) and the extra bytes of reading them in the gradient norm and the update. Our AdamW and
+    clipping (clip_in_optimizer, total_grad_norm) read them; after each step they are dropped.
+
+    Only where one backward makes a step's gradient (no accumulation: a second micro-batch would add
+    bf16 to bf16), our AdamW updates every parameter (attach_working_copies ran) and our clipping runs
+    (no pipeline parallelism), and the experts have working copies (outside FSDP2): anything else is
+    refused here with what to change, before a step trains."""
+    key = '[optimizer] expert_grad_dtype = "bfloat16"'
+    if accumulation_steps != 1:
+        raise ConfigError(f"{key} keeps one backward's gradients in bf16, but this run accumulates {accumulation_steps} "
+                          "micro-batches a step (global_batch_size > local_batch_size x data-parallel ranks): use "
+                          'expert_grad_dtype = "float32"')
+    if pipeline:
+        raise ConfigError(f"{key} is read by our gradient clipping, which pipeline parallelism replaces with "
+                          "torchtitan's: use expert_grad_dtype = \"float32\"")
+    inner = getattr(optimizers, "optimizers", [optimizers])
+    if type(optimizers) is not OptimizersContainer or not all(isinstance(o, AdamW) for o in inner):
+        raise ConfigError(f"{key} needs our AdamW ([optimizer] name = 'AdamW', update = 'triton' or 'auto' on a GPU): "
+                          "torchtitan's optimizer reads only the weights' own gradients")
+    experts = [m for part in model_parts for m in part.modules() if isinstance(m, GroupedExperts)]
+    if not experts or not all(e.has_working_copies for e in experts):
+        raise ConfigError(f"{key} keeps the gradients on the experts' bf16 working copies, which exist where the "
+                          "experts stay outside FSDP2 (EP = the processes of a replica, bf16 mixed precision): this "
+                          'run has none; use expert_grad_dtype = "float32"')
+    for e in experts:
+        e.keep_working_gradients()
+    optimizers.register_step_post_hook(lambda *args, **kwargs: [e.clear_working_gradients() for e in experts])
+
+
 def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer.step` divides each gradient by `optimizer.grad_scale`: ours, and torch's fused
     Adam/AdamW (its foreach and for-loop forms refuse a grad_scale)."""
@@ -156,23 +198,51 @@ def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, AdamW) or fused_torch
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], ep_enabled: bool) -> torch.Tensor:
+def total_grad_norm(parameters: Iterable[torch.Tensor], ep_enabled: bool,
+                    working_copies: dict | None = None) -> torch.Tensor:
     """The L2 norm of all gradients, as torchtitan's clip_grad_norm_ computes it: with EP, the experts'
-    gradients (on a mesh with an "ep" dimension) and the others in two reductions, then combined."""
+    gradients (on a mesh with an "ep" dimension) and the others in two reductions, then combined.
+    `working_copies` (param -> (experts, name), attach_working_copies'): where the experts keep their
+    gradients on their working copies (keep_expert_gradients), those count for their weights."""
     groups: dict[bool, list[torch.Tensor]] = {}
+    kept: dict[bool, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # (weight, its working copy's bf16 gradient)
     for p in parameters:
-        if p.grad is not None:
-            on_ep = ep_enabled and "ep" in (p.device_mesh.mesh_dim_names or ())
+        on_ep = ep_enabled and isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+        experts, name = (working_copies or {}).get(p, (None, None))
+        if p.grad is None and experts is not None and experts.working_gradients:
+            if (grad := experts.gradient(name)) is not None:
+                kept.setdefault(on_ep, []).append((p, grad))
+        elif p.grad is not None:
             groups.setdefault(on_ep, []).append(p.grad)
     norms = {}
     for on_ep, grads in groups.items():
         norm = torch.nn.utils.get_total_norm(grads, 2.0, False, True)
         norms[on_ep] = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    for on_ep, pairs in kept.items():
+        squares = _sum_of_squares(pairs)
+        norms[on_ep] = squares.sqrt() if on_ep not in norms else (norms[on_ep] ** 2.0 + squares) ** 0.5
     zero = next(iter(norms.values())).new_zeros(()) if norms else torch.tensor(0.0)
     if not ep_enabled:
         return norms.get(False, zero)
     # (a^2 + b^2)^(1/2), an empty group counting 0: torchtitan's order of operations, so its bits
     return (norms.get(True, zero) ** 2.0 + norms.get(False, zero) ** 2.0) ** 0.5
+
+
+def _sum_of_squares(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Sum of squares (fp32) of the gradients, each this rank's shard of its weight, over the ranks that
+    hold the weight's other shards (the mesh dimensions it is sharded on)."""
+    by_layout = defaultdict(list)
+    for weight, grad in pairs:
+        layout = (weight.device_mesh, tuple(weight.placements)) if isinstance(weight, DTensor) else (None, ())
+        by_layout[layout].append(grad)
+    total = None
+    for (mesh, placements), grads in by_layout.items():
+        squares = torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)).square().sum()
+        for dim, placement in enumerate(placements):
+            if placement.is_shard():
+                squares = funcol.all_reduce(squares, "sum", (mesh, dim))
+        total = squares if total is None else total + squares
+    return total
 
 
 def clip_in_optimizer(optimizers, torchtitan_clip: Callable) -> Callable:
@@ -194,9 +264,15 @@ def clip_in_optimizer(optimizers, torchtitan_clip: Callable) -> Callable:
 
     def clip(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
              foreach: bool | None = None, pp_mesh=None, ep_enabled: bool = False) -> torch.Tensor:
+        working_copies = {}  # the experts' weights, whose gradients may stay on their working copies
+        for optimizer in inner:
+            working_copies.update(getattr(optimizer, "working_copies", {}))
         if pp_mesh is not None or norm_type != 2.0 or error_if_nonfinite or not all(map(takes_grad_scale, inner)):
+            if any(experts.working_gradients for experts, _ in working_copies.values()):
+                raise RuntimeError("the experts' gradients are on their working copies ([optimizer] expert_grad_dtype = "
+                                   "'bfloat16'), which torchtitan's clip_grad_norm_ does not read: use 'float32'")
             return torchtitan_clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
-        norm = total_grad_norm(parameters, ep_enabled)
+        norm = total_grad_norm(parameters, ep_enabled, working_copies)
         scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()
         for optimizer in inner:
             optimizer.grad_scale = scale

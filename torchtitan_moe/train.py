@@ -27,7 +27,7 @@ from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
 from torchtitan_moe.moe.experts import stale_working_copies
 from torchtitan_moe.moe.layer import MoE
-from torchtitan_moe.optimizer import attach_working_copies, clip_in_optimizer
+from torchtitan_moe.optimizer import attach_working_copies, clip_in_optimizer, keep_expert_gradients
 from torchtitan_moe.train_step import train_step
 from torchtitan_moe.torchtitan_compat import (
     Trainer,
@@ -74,6 +74,9 @@ class MoETrainer(Trainer):
         # Both models: a comparison of the two clips the same way.
         replace_clip_grad_norm(lambda torchtitan_clip: clip_in_optimizer(self.optimizers, torchtitan_clip))
         attach_working_copies(self.optimizers, self.model_parts)
+        if self.ours and job_config.optimizer.expert_grad_dtype == "bfloat16":
+            keep_expert_gradients(self.optimizers, self.model_parts, self.gradient_accumulation_steps,
+                                  self.parallel_dims.pp_enabled)
 
     def close(self) -> None:
         super().close()

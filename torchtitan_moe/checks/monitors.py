@@ -25,6 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan_moe.moe.experts import GroupedExperts
+
 # A logged loss this many times its EMA is a spike (the loss falls during healthy training,
 # so it stays below its lagging EMA; 1.5x is far outside step-to-step noise).
 LOSS_SPIKE = 1.5
@@ -48,6 +50,9 @@ def local_grad_norm(model_parts: list[nn.Module]) -> torch.Tensor:
     """fp32 scalar: the 2-norm of the gradients this rank holds (local shards of DTensors)."""
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
              for m in model_parts for p in m.parameters() if p.grad is not None]
+    # The experts' gradients kept on their working copies ([optimizer] expert_grad_dtype = "bfloat16").
+    grads += [copy.grad for m in model_parts for e in m.modules() if isinstance(e, GroupedExperts) and e.working_gradients
+              for copy in e.working.values() if copy.grad is not None]
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     return torch.nn.utils.get_total_norm([g.float() for g in grads], norm_type=2.0)

@@ -10,7 +10,9 @@ applied inside swiglu_prob, before w2, so its gradient reaches the router from t
 Experts outside FSDP2 (parallelize: their FSDP group would have one rank) keep fp32 master weights,
 the optimizer's, and a bf16 working copy of them that the GEMMs read: cast before a forward when
 the weights changed, or written by the optimizer in its update (optimizer.py), so no step casts
-them more than once and the backward reads the forward's copy. The gradient reaches the master in fp32.
+them more than once and the backward reads the forward's copy. The gradient reaches the master in fp32,
+or, with `working_gradients` (one backward per optimizer step: [optimizer] expert_grad_dtype = "bfloat16"),
+stays on the working copy in the GEMMs' dtype, its exact values without the fp32 copy (optimizer.py reads it).
 """
 
 from __future__ import annotations
@@ -72,6 +74,10 @@ class GroupedExperts(nn.Module):
         self.param_dtype: torch.dtype | None = None
         self.working: dict[str, torch.Tensor] = {}  # name -> working copy of this rank's shard
         self.current: set[str] = set()  # the names whose working copy equals the master's cast
+        # The GEMMs' weight gradients stay on the working copies (`working[name].grad`, bf16) instead of
+        # reaching the masters in fp32: set by optimizer.keep_expert_gradients where one backward makes a
+        # step's gradient and our optimizer and clipping read them (through `gradient`).
+        self.working_gradients = False
         self.register_load_state_dict_post_hook(lambda module, keys: module.mark_working_stale())
 
     def init_weights(self, out_std: float) -> None:
@@ -112,12 +118,36 @@ class GroupedExperts(nn.Module):
             if copy is None or copy.shape != master.shape or copy.device != master.device:
                 copy = self.working[name] = torch.empty_like(master, dtype=self.param_dtype,
                                                              memory_format=torch.contiguous_format)
+                copy.requires_grad_(self.working_gradients)
             copy.copy_(master)
             self.current.add(name)
 
     def working_copy(self, name: str) -> torch.Tensor | None:
         """The working copy of weight `name` for the optimizer to write in its update, where there is one."""
         return self.working.get(name)
+
+    def keep_working_gradients(self) -> None:
+        """From the next forward on, the weight gradients stay on the working copies (bf16, the GEMMs'
+        own): for runs with one backward per optimizer step, whose optimizer reads `gradient`."""
+        if not self.has_working_copies:
+            raise RuntimeError("GroupedExperts: no working copies (the experts are under FSDP2 or train in fp32): "
+                               "their gradients reach the weights")
+        self.working_gradients = True
+        for copy in self.working.values():
+            copy.requires_grad_(True)
+
+    def gradient(self, name: str) -> torch.Tensor | None:
+        """Weight `name`'s gradient as a step uses it: the master's .grad, or its working copy's
+        (this rank's shard, bf16) where the gradients stay there."""
+        grad = getattr(self, name).grad
+        if grad is None and self.working_gradients and name in self.working:
+            return self.working[name].grad
+        return grad
+
+    def clear_working_gradients(self) -> None:
+        """Drop the working copies' gradients (a step consumed them; the next backward starts afresh)."""
+        for copy in self.working.values():
+            copy.grad = None
 
     def gemm_weights(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13, w2) as the GEMMs take them: this rank's shard in the compute dtype, autograd-connected
@@ -127,6 +157,8 @@ class GroupedExperts(nn.Module):
             if len(self.working) < len(self.WEIGHTS):
                 raise RuntimeError("GroupedExperts: no working copies yet: a compiled forward reads them; call "
                                    "refresh_working_copies() first (the model's pre-forward hook from parallelize does)")
+            if self.working_gradients:  # leaves: autograd leaves the GEMMs' gradients on them
+                return self.working["w13"], self.working["w2"]
             return (_WorkingCopy.apply(w13, self.working["w13"], self.kernels),
                     _WorkingCopy.apply(w2, self.working["w2"], self.kernels))
         dtype = self.compute_dtype(device)

@@ -7,7 +7,7 @@
 - EP = 2 (all-to-all dispatcher, Triton kernels) matches EP = 1 from the same seed checkpoint,
   and activation checkpointing under EP = 2 changes nothing (2 GPUs; skipped on 1);
 - EP = 2 in bf16: the experts' working copies, written by our AdamW, checked every step and training as
-  the experts under FSDP2 do (2 GPUs);
+  the experts under FSDP2 do, their gradients kept in bf16 on the copies too (2 GPUs);
 - a train step that logs nothing never makes the host wait for the GPU (CUDA's sync debug mode; EP = 2
   on 2 GPUs, else 1);
 - the all-to-all dispatcher's CUDA path (NCCL, Triton kernels, split sizes read through pinned
@@ -132,21 +132,27 @@ def test_ep2_bf16_experts_working_copies_train_as_the_experts_under_fsdp(tmp_pat
     # AdamW writing the copies in its Triton update, every step's check (copy == the weight's cast, bitwise)
     # passing, and losses tracking the same run with the experts under FSDP2 (bf16 GPU runs are not bitwise
     # repeatable: attention's backward accumulates in any order).
+    # A third run keeps the experts' gradients on their working copies ([optimizer] expert_grad_dtype).
     plan = []
-    for name in ("outside", "in_fsdp"):
-        plan.append({"train": ["--job.dump_folder", str(tmp_path / name), "--training.steps", "10",
-                               "--parallelism.expert_parallel_degree", "2", "--dispatch.backend", "all_to_all",
-                               "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype", "bfloat16",
-                               "--kernels.backend", "triton", "--checks.monitor_freq", "1"],
-                     "experts": str(tmp_path / f"{name}.experts.json"), "experts_in_fsdp": name == "in_fsdp"})
+    for name in ("outside", "in_fsdp", "kept"):
+        args = ["--job.dump_folder", str(tmp_path / name), "--training.steps", "10",
+                "--parallelism.expert_parallel_degree", "2", "--dispatch.backend", "all_to_all",
+                "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype", "bfloat16",
+                "--kernels.backend", "triton", "--checks.monitor_freq", "1"]
+        if name == "kept":
+            plan.append({"train": [*args, "--optimizer.expert_grad_dtype", "bfloat16"]})
+        else:
+            plan.append({"train": args, "experts": str(tmp_path / f"{name}.experts.json"), "experts_in_fsdp": name == "in_fsdp"})
     torchrun_plan(plan, tmp_path, nproc=2)
     layouts = {name: json.loads((tmp_path / f"{name}.experts.json").read_text()) for name in ("outside", "in_fsdp")}
     assert not any(seen["fsdp"] for seen in layouts["outside"]) and all(seen["fsdp"] for seen in layouts["in_fsdp"])
     runs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
-            for name in ("outside", "in_fsdp")}
-    assert len(runs["outside"]) == 10
-    for a, b in zip(runs["outside"], runs["in_fsdp"]):
-        assert a["loss"] == pytest.approx(b["loss"], rel=5e-3) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2)
+            for name in ("outside", "in_fsdp", "kept")}
+    assert len(runs["outside"]) == len(runs["kept"]) == 10
+    for other in ("in_fsdp", "kept"):
+        for a, b in zip(runs["outside"], runs[other]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=5e-3), other
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=5e-2), other
 
 
 def test_a_training_step_never_makes_the_host_wait_for_the_gpu(tmp_path):

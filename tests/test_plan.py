@@ -56,6 +56,17 @@ def test_bf16_moments_save_4_bytes_per_local_parameter():
     assert fp32.total - bf16.total == pytest.approx(4 * SHAPE_8L.params / 2)
 
 
+def test_kept_expert_gradients_save_2_bytes_per_expert_weight_outside_fsdp():
+    # EP = 2 on 2 GPUs: the experts outside FSDP2 (one-rank group); their bf16 gradients replace the fp32 ones
+    # and the transient bf16 weight gradient before its fp32 copy. Under FSDP2 (EP = 2 on 4 GPUs) nothing changes.
+    outside, inside = Layout(1, 2, 2, 1, "none", "all_to_all"), Layout(1, 4, 2, 1, "none", "all_to_all")
+    kept, fp32 = (plan.memory(SHAPE_8L, outside, Run(4096, 2, expert_grad_bytes=b)) for b in (2, 4))
+    expert_weights = SHAPE_8L.n_layers * SHAPE_8L.expert_params / 2
+    assert fp32.grads - kept.grads == pytest.approx(2 * expert_weights)
+    assert fp32.staging - kept.staging == pytest.approx(2 * (SHAPE_8L.experts // 2) * 2 * SHAPE_8L.inter * SHAPE_8L.dim)
+    assert plan.memory(SHAPE_8L, inside, Run(4096, 2, expert_grad_bytes=2)) == plan.memory(SHAPE_8L, inside, Run(4096, 2))
+
+
 @pytest.mark.parametrize("flavor", ["debug", "30b-a3b-8l", "235b-a22b"])
 def test_parameter_count_is_the_models(flavor):
     args = flavor_args(flavor)

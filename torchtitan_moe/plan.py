@@ -11,7 +11,8 @@ shortest estimated step. Nothing runs on a GPU: it is arithmetic on the flavor's
 
 Memory, per GPU, from first principles (no term fitted to a measurement). It predicts what
 `bench_train` prints: torch's peak *reserved* memory, the caching allocator's segments. The parts:
-    persistent  fp32 master weights (4 B), fp32 gradients (4 B) and the AdamW moments (8 B, or 4 B with
+    persistent  fp32 master weights (4 B), fp32 gradients (4 B; 2 B for experts outside FSDP2 with
+                [optimizer] expert_grad_dtype = "bfloat16") and the AdamW moments (8 B, or 4 B with
                 [optimizer] moments_dtype = "bfloat16") per local parameter (all sharded by FSDP/HSDP)
     forward     bf16 compute copies of the weights (one process: autocast's copies of every matrix,
                 kept for the backward; FSDP2: two unsharded blocks in flight and the unsharded
@@ -168,6 +169,7 @@ class Run:
     micro_batch: int  # sequences per GPU per forward (the config's local_batch_size)
     moments_bytes: int = 8  # both AdamW moments per parameter: 8 (fp32) or 4 (bf16)
     buffers: str = "exact"  # [dispatch] buffers
+    expert_grad_bytes: int = 4  # experts outside FSDP2: fp32 gradients (4) or kept on the working copies (2)
 
     @property
     def tokens(self) -> int:
@@ -235,8 +237,9 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
         copies = 2 * (2 * block + 4 * shape.experts * D) + 2 * V * D
         staging = 2 * (2 + 4) * block  # bf16 gradients + their fp32 reduce-scatter input, two blocks
         if outside:  # the bf16 working copies of every layer's experts, and one bf16 weight gradient (w13)
-            w13 = 2 * (shape.experts // layout.ep) * 2 * shape.inter * D
-            copies, staging = copies + 2 * shape.n_layers * shape.expert_params / layout.ep, staging + w13
+            w13 = 2 * (shape.experts // layout.ep) * 2 * shape.inter * D  # before its fp32 copy (none if kept)
+            copies = copies + 2 * shape.n_layers * shape.expert_params / layout.ep
+            staging = staging + (w13 if run.expert_grad_bytes == 4 else 0)
     ep = layout.ep
     received = T * ranks_per_token(shape, ep) if ep > 1 else 0.0  # rows per (token, rank), per rank
     slots = T * K
@@ -254,10 +257,11 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
     dispatch = 2 * 2 * D * received  # one layer's send and receive rows (bf16) at a time
     # The backward's first large allocations on the compute stream: one process, the gradients; FSDP2,
     # its staging, and the fp32 gradients of experts outside it (their op makes them on that stream).
-    expert_grads = 4 * shape.n_layers * shape.expert_params / layout.ep if outside else 0.0
+    expert_grads = run.expert_grad_bytes * shape.n_layers * shape.expert_params / layout.ep if outside else 0.0
     on_compute = 4 * local if one_process else staging + expert_grads
     reuse = -min(logits, on_compute)
-    return Memory(params=4 * local, grads=4 * local, optimizer=run.moments_bytes * local, compute_copies=copies,
+    grads = 4 * local - ((4 - run.expert_grad_bytes) * shape.n_layers * shape.expert_params / layout.ep if outside else 0)
+    return Memory(params=4 * local, grads=grads, optimizer=run.moments_bytes * local, compute_copies=copies,
                   activations=acts, loss=loss, dispatch=dispatch, staging=staging, reuse=reuse)
 
 
@@ -425,7 +429,9 @@ def parse(argv: list[str]):
                               f"({world} x {seq} x {micro} = {world * seq * micro} tokens)")
         accum = global_batch // (world * seq * micro)
     moments = 4 if config.optimizer.moments_dtype == "bfloat16" else 8
-    return config, shape, Run(seq, micro, moments, config.dispatch.buffers), nodes, per_node, GPUS[gpu_name], accum
+    expert_grads = 2 if config.optimizer.expert_grad_dtype == "bfloat16" else 4
+    run = Run(seq, micro, moments, config.dispatch.buffers, expert_grads)
+    return config, shape, run, nodes, per_node, GPUS[gpu_name], accum
 
 
 def report(argv: list[str]) -> str:
@@ -438,7 +444,7 @@ def report(argv: list[str]) -> str:
         f"{shape.experts} experts top-{shape.top_k}; {nodes} x {per_node} {gpu.name} ({gpu.memory_gib:.1f} GiB each); "
         f"micro-batch {run.micro_batch} x {run.seq} tokens per GPU, {accum} per step "
         f"({accum * run.tokens * world:,} tokens per step); AdamW moments {run.moments_bytes} B/param, "
-        f"buffers {run.buffers}",
+        f"experts' gradients outside FSDP2 {run.expert_grad_bytes} B/param, buffers {run.buffers}",
         "",
         "| layout | params+grads+optimizer GiB | compute copies | activations | loss | dispatch | staging | reuse | total GiB "
         f"| fits {FIT_SHARE:.0%} | exchange/layer us (NVLink MB, network MB) | est. step s (compute, exchange, fsdp) |",

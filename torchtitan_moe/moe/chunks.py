@@ -12,8 +12,9 @@
 
 The overlap exists only where an exchange runs beside the compute: on CUDA (all_to_all on its
 communication stream, DeepEP on its own); on CPU/gloo every exchange finishes where it is called
-and the schedule is the plain one twice. Opt-in and NOT MEASURED at EP = 2 (no 2-GPU machine when it
-was written); on 2 GPUs this measures it, each variant with overlap against the same without:
+and the schedule is the plain one twice. Opt-in: on 2 H200s at 30B-A3B shapes it loses (0.92x with
+DeepEP, 0.87x all_to_all, worklogs/2026-11-26-ep2-step-h200x2.md; 0.935x with DeepEP after the working
+copies, worklogs/2026-11-26-session5-h200x2.md). Each variant with overlap against the same without:
 
     python -m torchtitan_moe.bench_train configs/qwen3_30b_a3b_8l.toml --models all_to_all,deepep \
         --routers learned --modes eager,compiled --vary dispatch.overlap=none,chunks -- --parallelism.expert_parallel_degree 2

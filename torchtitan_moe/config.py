@@ -181,7 +181,8 @@ class Optimizer:
     """The experts' weight gradients where the experts keep bf16 working copies (outside FSDP2): an fp32
     copy for each fp32 master weight ('float32'), or 'bfloat16': the GEMMs' own gradients, left on the
     working copies (the same values; 2 bytes a weight instead of 4 and no pass that widens them). Needs one
-    micro-batch a step, our AdamW and no pipeline parallelism (optimizer.keep_expert_gradients)."""
+    micro-batch a step, our AdamW and no pipeline parallelism (optimizer.keep_expert_gradients). Our
+    model's experts only: the torchtitan baseline (no working copies) ignores it."""
 
 
 @dataclass

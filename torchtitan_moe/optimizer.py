@@ -21,6 +21,10 @@ multiplies every gradient by min(1, max_norm / norm), a read and a write of all 
 (6.2 ms of a 280 ms step at EP = 2). `clip_in_optimizer` computes the same norm and hands its
 inverse coefficient to the optimizers as `grad_scale`, which torch's fused AdamW (as for GradScaler)
 and ours divide each gradient by as they read it; optimizers that cannot take it are clipped as before.
+
+`[optimizer] expert_grad_dtype = "bfloat16"` (keep_expert_gradients) leaves the experts' weight gradients
+on their bf16 working copies instead of fp32 copies on the master weights; ours and the clip's norm
+read them there (not yet timed on a GPU: worklogs/2026-11-26-session5-h200x2.md).
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ stream that ran through most of it, a DeepEP exchange or a collective the layer 
 nothing: the host or an event), the compute stream's GEMMs that started while a kernel of another
 stream ran (a persistent GEMM launches one CTA per SM; those without a free SM wait for that kernel,
 and a collective spinning for a late rank holds its SMs for as long) against the same GEMM started
-alone, what the longest profiled step ran beyond the shortest (a logging or monitor step shows here), and where the idle time goes: each
-gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
+alone, what the longest profiled step ran beyond the shortest (a logging or monitor step shows
+here), and where the idle time goes: each gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
 that thread and the op that launched; "after a sync" where the host had just waited for the GPU, so
 the gap is its time to launch again). A step's kernels (their times, classes and the longest step's
 extra) are the ones its host range launched (the trace's correlation ids; without them, the ones that
@@ -143,6 +143,7 @@ def breakdown(events: list[Event]) -> dict:
     host = [e for e in events if e.cat in HOST_CATEGORIES]
     launched_by = {e.correlation: e for e in host if e.correlation is not None}  # GPU event -> its launch
     launched = launched_in_steps(steps, gpu, launched_by)
+    stream = compute_stream(gpu)  # the compute stream, for its idle time and the GEMMs beside other streams
     rows, kernels, by_step = [], defaultdict(lambda: [0.0, 0]), []
     for i, step in enumerate(steps):
         inside = [(max(e.start, step.start), min(e.end, step.end)) for e in gpu if e.end > step.start and e.start < step.end]
@@ -170,7 +171,8 @@ def breakdown(events: list[Event]) -> dict:
             for key, (ms, count) in idle_by_host_op(events, steps, gpu, host, launched_by).items()]
     idle.sort(key=lambda r: -r["ms"])
     return {"steps": rows, "mean": mean, "kernels": per_step, "classes": dict(classes), "idle": idle,
-            "compute_idle": compute_stream_idle(gpu, launched), "gemms_beside": gemms_beside_other_streams(gpu, launched),
+            "compute_idle": compute_stream_idle(gpu, launched, stream),
+            "gemms_beside": gemms_beside_other_streams(gpu, launched, stream),
             "longest_step_extra": longest_step_extra(rows, by_step)}
 
 
@@ -193,12 +195,11 @@ def short_name(name: str) -> str:
     return name.removeprefix("void ").replace("(anonymous namespace)", "{anonymous}").split("(")[0][:80]
 
 
-def compute_stream_idle(gpu: list[Event], launched: list[list[Event]]) -> dict:
+def compute_stream_idle(gpu: list[Event], launched: list[list[Event]], stream: tuple | None) -> dict:
     """The compute stream (the one with the most kernel time) per step: its busy and idle time and the idle
     time by what ran on another stream through most of each gap: {stream, busy_ms, idle_ms, beside: [{kernel,
     ms, gaps}]}, ms per step. A step's gaps are those before each of its kernels, from the end of the
-    stream's previous kernel (the step before's last one for its first)."""
-    stream = compute_stream(gpu)
+    stream's previous kernel (the step before's last one for its first). `stream`: compute_stream(gpu)."""
     if stream is None or not launched:
         return {}
     mine = sorted((e for events in launched for e in events if e.thread == stream), key=lambda e: e.start)
@@ -237,13 +238,13 @@ def compute_stream(gpu: list[Event]) -> tuple | None:
     return max(time_on, key=time_on.get) if time_on else None
 
 
-def gemms_beside_other_streams(gpu: list[Event], launched: list[list[Event]]) -> list[dict]:
+def gemms_beside_other_streams(gpu: list[Event], launched: list[list[Event]], stream: tuple | None) -> list[dict]:
     """The compute stream's GEMMs that started while a kernel of another stream ran (a collective waiting
     for a late rank, a DeepEP kernel) against those that started alone, kernel by kernel: a persistent
     GEMM launches one CTA per SM, and the CTAs with no SM free wait for the other kernel to end.
     -> [{name, alone, alone_us, beside, beside_us, extra_ms, by}], extra_ms (per step) = the time of those
-    started beside another kernel over the median of those started alone; `by`: the kernel most often there."""
-    stream = compute_stream(gpu)
+    started beside another kernel over the median of those started alone; `by`: the kernel most often there.
+    `stream`: compute_stream(gpu)."""
     if stream is None or not launched:
         return []
     others = sorted((e for e in gpu if e.thread != stream and e.cat == "kernel"), key=lambda e: e.start)

@@ -90,7 +90,7 @@ TYPES = [
     ("training", "mixed_precision_param", "float16", "[training] mixed_precision_param", "'bfloat16'"),
     ("optimizer", "moments_dtype", "float16", "[optimizer] moments_dtype", "'float32' | 'bfloat16'"),
     ("optimizer", "update", "cuda", "[optimizer] update", "'auto' | 'torch' | 'triton'"),
-    ("optimizer", "expert_grad_dtype", "float16", "[optimizer] expert_grad_dtype", "'float32' | 'bfloat16'"),
+    ("optimizer", "expert_grad_dtype", "float16", "[optimizer] expert_grad_dtype", "'auto' | 'float32' | 'bfloat16'"),
 ]
 
 # Everything else that names a key: unknown sections and keys, replaced keys, and combinations.

@@ -141,7 +141,8 @@ def test_ep2_bf16_experts_working_copies_train_as_the_experts_under_fsdp(tmp_pat
                 "--kernels.backend", "triton", "--checks.monitor_freq", "1"]
         if name == "kept":
             plan.append({"train": [*args, "--optimizer.expert_grad_dtype", "bfloat16"]})
-        else:
+        else:  # fp32 gradients ("auto" keeps them in bf16 on a GPU)
+            args += ["--optimizer.expert_grad_dtype", "float32"]
             plan.append({"train": args, "experts": str(tmp_path / f"{name}.experts.json"), "experts_in_fsdp": name == "in_fsdp"})
     torchrun_plan(plan, tmp_path, nproc=2)
     layouts = {name: json.loads((tmp_path / f"{name}.experts.json").read_text()) for name in ("outside", "in_fsdp")}

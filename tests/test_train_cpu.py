@@ -36,7 +36,7 @@ RUNS = {
     # the shard FSDP2 casts. The working-copy check runs at steps 2 and 4 (monitor steps).
     "ep2_bf16_adamw": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
                        "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype", "bfloat16",
-                       "--checks.monitor_freq", "2"],
+                       "--checks.monitor_freq", "2", "--optimizer.expert_grad_dtype", "float32"],
     "ep2_bf16_adamw_experts_in_fsdp": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
                                        "--training.mixed_precision_param", "bfloat16", "--optimizer.moments_dtype",
                                        "bfloat16", "--checks.monitor_freq", "2"],

@@ -157,7 +157,7 @@ def kept(experts, optimizers, **kwargs):
     from torchtitan_moe.optimizer import keep_expert_gradients
 
     attach_working_copies(optimizers, [experts])
-    keep_expert_gradients(optimizers, [experts], **{"accumulation_steps": 1, "pipeline": False, **kwargs})
+    keep_expert_gradients("bfloat16", optimizers, [experts], **{"accumulation_steps": 1, "pipeline": False, **kwargs})
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -261,3 +261,21 @@ def test_the_monitors_grad_norm_counts_the_kept_gradients():
         y.backward(torch.ones_like(y))
         norms.append(local_grad_norm([experts]).item())
     assert norms[0] > 0 and norms[1] == pytest.approx(norms[0], rel=1e-6)
+
+
+@pytest.mark.parametrize("setting, accumulation_steps, keeps", [
+    ("auto", 1, True), ("auto", 2, False), ("float32", 1, False), ("bfloat16", 1, True),
+])
+def test_expert_grad_dtype_auto_keeps_the_gradients_where_a_step_reads_them_and_float32_never(
+        setting, accumulation_steps, keeps):
+    from torchtitan_moe.optimizer import keep_expert_gradients
+
+    experts, batch = experts_and_batch()
+    optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5))
+    attach_working_copies(optimizers, [experts])
+    assert keep_expert_gradients(setting, optimizers, [experts], accumulation_steps, pipeline=False) is keeps
+    assert experts.working_gradients is keeps
+    y = experts(batch)[:20]
+    y.backward(torch.ones_like(y))
+    assert (experts.working["w2"].grad is not None) is keeps  # bf16, on the working copy
+    assert (experts.w2.grad is None) is keeps  # else fp32, on the master weight

@@ -177,11 +177,12 @@ class Optimizer:
     """Where AdamW's update runs: 'torch' (torchtitan's optimizer, fp32 moments), 'triton' (ours: one
     pass per parameter that also writes the experts' bf16 working copies; fp32 or bf16 moments), or
     'auto': 'triton' for bf16 moments and for AdamW on a GPU, else 'torch'."""
-    expert_grad_dtype: Literal["float32", "bfloat16"] = "float32"
+    expert_grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """The experts' weight gradients where the experts keep bf16 working copies (outside FSDP2): an fp32
     copy for each fp32 master weight ('float32'), or 'bfloat16': the GEMMs' own gradients, left on the
-    working copies (the same values; 2 bytes a weight instead of 4 and no pass that widens them). Needs one
-    micro-batch a step, our AdamW and no pipeline parallelism (optimizer.keep_expert_gradients). Our
+    working copies (the same values; 2 bytes a weight instead of 4 and no pass that widens them). That needs
+    one micro-batch a step, our AdamW and no pipeline parallelism (optimizer.keep_expert_gradients);
+    'bfloat16' refuses a run without them, 'auto' takes it where they hold and 'float32' elsewhere. Our
     model's experts only: the torchtitan baseline (no working copies) ignores it."""
 
 

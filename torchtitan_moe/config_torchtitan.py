@@ -62,19 +62,9 @@ def check_torchtitan_keys(cfg: Any, world_size: int | None = None) -> None:
         _need(global_batch % per_step == 0,
               f"[training] global_batch_size = {global_batch}: must be a multiple of local_batch_size x processes "
               f"({train.local_batch_size} x {world_size} = {per_step}); the quotient is the gradient accumulation")
-    if opt.expert_grad_dtype != "float32":  # the rest (experts outside FSDP2, our AdamW): at start-up
-        key = f"[optimizer] expert_grad_dtype = {opt.expert_grad_dtype!r}"
-        _need(opt.name == "AdamW" and opt.update != "torch" and not opt.early_step_in_backward,
-              f"{key} is read by our AdamW: needs name = 'AdamW', update = 'triton' or 'auto' and "
-              "early_step_in_backward = false; or use expert_grad_dtype = 'float32'")
-        _need(train.mixed_precision_param == "bfloat16", f"{key} keeps the experts' gradients on their bf16 working "
-              f"copies: needs [training] mixed_precision_param = 'bfloat16' (got {train.mixed_precision_param!r})")
-        _need(cfg.parallelism.pipeline_parallel_degree == 1, f"{key} is read by our gradient clipping, which "
-              "pipeline parallelism replaces with torchtitan's: use expert_grad_dtype = 'float32'")
-        if global_batch >= 1 and world_size is not None and train.local_batch_size >= 1:
-            _need(global_batch == train.local_batch_size * world_size, f"{key} keeps one backward's gradients: "
-                  f"global_batch_size = {global_batch} accumulates {global_batch // (train.local_batch_size * world_size)} "
-                  "micro-batches a step; use expert_grad_dtype = 'float32'")
+    if opt.expert_grad_dtype == "bfloat16":  # the rest (experts outside FSDP2, our AdamW): at start-up
+        for conflict in expert_gradient_conflicts(cfg, world_size):
+            _need(False, f"[optimizer] expert_grad_dtype = 'bfloat16' {conflict}; or use expert_grad_dtype = 'float32'")
     _need(cfg.metrics.log_freq >= 1, f"[metrics] log_freq = {cfg.metrics.log_freq}: must be >= 1")
 
     if ck.enable:
@@ -95,3 +85,24 @@ def check_tokenizer_file(path: str) -> None:
     except Exception as e:  # the library raises a bare Exception with a parser message
         raise ConfigError(f"[data] tokenizer = {path!r}: not a tokenizers tokenizer.json ({e}); build one with "
                           "scripts/build_tokenizer.py, or use 'bytes'") from None
+
+
+def expert_gradient_conflicts(cfg: Any, world_size: int | None = None) -> list[str]:
+    """The keys that keep the experts' gradients off their bf16 working copies ([optimizer] expert_grad_dtype),
+    each completing "expert_grad_dtype = 'bfloat16' ...": what the config alone tells (the rest, experts outside
+    FSDP2 and our AdamW built, at start-up: optimizer.keep_expert_gradients). The planner reads 'auto' by it."""
+    opt, train = cfg.optimizer, cfg.training
+    conflicts = []
+    if not (opt.name == "AdamW" and opt.update != "torch" and not opt.early_step_in_backward):
+        conflicts.append("is read by our AdamW: needs name = 'AdamW', update = 'triton' or 'auto' and "
+                         "early_step_in_backward = false")
+    if train.mixed_precision_param != "bfloat16":
+        conflicts.append("keeps the experts' gradients on their bf16 working copies: needs [training] "
+                         f"mixed_precision_param = 'bfloat16' (got {train.mixed_precision_param!r})")
+    if cfg.parallelism.pipeline_parallel_degree != 1:
+        conflicts.append("is read by our gradient clipping, which pipeline parallelism replaces with torchtitan's")
+    global_batch, per_step = train.global_batch_size, train.local_batch_size * (world_size or 0)
+    if global_batch >= 1 and per_step >= 1 and global_batch != per_step:
+        conflicts.append(f"keeps one backward's gradients: global_batch_size = {global_batch} accumulates "
+                         f"{global_batch // per_step} micro-batches a step")
+    return conflicts

@@ -22,9 +22,10 @@ multiplies every gradient by min(1, max_norm / norm), a read and a write of all 
 inverse coefficient to the optimizers as `grad_scale`, which torch's fused AdamW (as for GradScaler)
 and ours divide each gradient by as they read it; optimizers that cannot take it are clipped as before.
 
-`[optimizer] expert_grad_dtype = "bfloat16"` (keep_expert_gradients) leaves the experts' weight gradients
-on their bf16 working copies instead of fp32 copies on the master weights; ours and the clip's norm
-read them there (not yet timed on a GPU: worklogs/2026-11-26-session5-h200x2.md).
+`[optimizer] expert_grad_dtype` (keep_expert_gradients; "auto" where a step reads them) leaves the experts'
+weight gradients on their bf16 working copies instead of fp32 copies on the master weights; ours and the
+clip's norm read them there (1.006x the step at local batch 4 on 2 H200s, 1.06-1.16x at local batch 2:
+worklogs/2026-11-26-session6-h200x2.md).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import GroupedExperts
 from torchtitan_moe.ops.adamw import adamw_step_
-from torchtitan_moe.torchtitan_compat import OptimizersContainer, build_optimizers as build_torchtitan_optimizers
+from torchtitan_moe.torchtitan_compat import OptimizersContainer, build_optimizers as build_torchtitan_optimizers, logger
 
 MOMENTS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -162,8 +163,8 @@ def attach_working_copies(optimizers, model_parts) -> None:
             optimizer.working_copies = targets
 
 
-def keep_expert_gradients(optimizers, model_parts, accumulation_steps: int, pipeline: bool) -> None:
-    """[optimizer] expert_grad_dtype = "bfloat16": the experts' weight gradients stay on their bf16 working
+def keep_expert_gradients(setting: str, optimizers, model_parts, accumulation_steps: int, pipeline: bool) -> bool:
+    """[optimizer] expert_grad_dtype: whether the experts' weight gradients stay on their bf16 working
     copies (moe/experts.py), their exact values, instead of an fp32 copy for each master weight: at EP = 2
     on 2 GPUs 2.4 billion expert weights a rank, whose fp32 gradients hold 9.7 GB (4.8 in bf16), a write of
     them (ops.upcast) and the extra bytes of reading them in the gradient norm and the update. Our AdamW and
@@ -171,28 +172,40 @@ def keep_expert_gradients(optimizers, model_parts, accumulation_steps: int, pipe
 
     Only where one backward makes a step's gradient (no accumulation: a second micro-batch would add
     bf16 to bf16), our AdamW updates every parameter (attach_working_copies ran) and our clipping runs
-    (no pipeline parallelism), and the experts have working copies (outside FSDP2): anything else is
-    refused here with what to change, before a step trains."""
-    key = '[optimizer] expert_grad_dtype = "bfloat16"'
-    if accumulation_steps != 1:
-        raise ConfigError(f"{key} keeps one backward's gradients in bf16, but this run accumulates {accumulation_steps} "
-                          "micro-batches a step (global_batch_size > local_batch_size x data-parallel ranks): use "
-                          'expert_grad_dtype = "float32"')
-    if pipeline:
-        raise ConfigError(f"{key} is read by our gradient clipping, which pipeline parallelism replaces with "
-                          "torchtitan's: use expert_grad_dtype = \"float32\"")
-    inner = getattr(optimizers, "optimizers", [optimizers])
-    if type(optimizers) is not OptimizersContainer or not all(isinstance(o, AdamW) for o in inner):
-        raise ConfigError(f"{key} needs our AdamW ([optimizer] name = 'AdamW', update = 'triton' or 'auto' on a GPU): "
-                          "torchtitan's optimizer reads only the weights' own gradients")
+    (no pipeline parallelism), and the experts have working copies (outside FSDP2). "bfloat16" anywhere
+    else is refused here with what to change, before a step trains; "auto" keeps them where all of that
+    holds and says which it chose; "float32" never keeps them."""
+    if setting == "float32":
+        return False
     experts = [m for part in model_parts for m in part.modules() if isinstance(m, GroupedExperts)]
-    if not experts or not all(e.has_working_copies for e in experts):
-        raise ConfigError(f"{key} keeps the gradients on the experts' bf16 working copies, which exist where the "
-                          "experts stay outside FSDP2 (EP = the processes of a replica, bf16 mixed precision): this "
-                          'run has none; use expert_grad_dtype = "float32"')
+    reason = _why_gradients_not_kept(optimizers, experts, accumulation_steps, pipeline)
+    if reason is not None:
+        if setting == "bfloat16":
+            raise ConfigError(f'[optimizer] expert_grad_dtype = "bfloat16" {reason}: use expert_grad_dtype = "float32"')
+        logger.info(f"[optimizer] expert_grad_dtype = 'auto': the experts' gradients in fp32 (bf16 {reason})")
+        return False
     for e in experts:
         e.keep_working_gradients()
     optimizers.register_step_post_hook(lambda *args, **kwargs: [e.clear_working_gradients() for e in experts])
+    logger.info(f"[optimizer] expert_grad_dtype = {setting!r}: the experts' gradients stay on their bf16 working copies")
+    return True
+
+
+def _why_gradients_not_kept(optimizers, experts: list, accumulation_steps: int, pipeline: bool) -> str | None:
+    """What stops the experts' gradients staying on their working copies (completing "bf16 ..."), or None."""
+    if accumulation_steps != 1:
+        return (f"keeps one backward's gradients, but this run accumulates {accumulation_steps} micro-batches a "
+                "step (global_batch_size > local_batch_size x data-parallel ranks)")
+    if pipeline:
+        return "is read by our gradient clipping, which pipeline parallelism replaces with torchtitan's"
+    inner = getattr(optimizers, "optimizers", [optimizers])
+    if type(optimizers) is not OptimizersContainer or not all(isinstance(o, AdamW) for o in inner):
+        return ("needs our AdamW ([optimizer] name = 'AdamW', update = 'triton' or 'auto' on a GPU): torchtitan's "
+                "optimizer reads only the weights' own gradients")
+    if not experts or not all(e.has_working_copies for e in experts):
+        return ("keeps the gradients on the experts' bf16 working copies, which exist where the experts stay "
+                "outside FSDP2 (EP = the processes of a replica, bf16 mixed precision): this run has none")
+    return None
 
 
 def takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
@@ -274,7 +287,7 @@ def clip_in_optimizer(optimizers, torchtitan_clip: Callable) -> Callable:
         if pp_mesh is not None or norm_type != 2.0 or error_if_nonfinite or not all(map(takes_grad_scale, inner)):
             if any(experts.working_gradients for experts, _ in working_copies.values()):
                 raise RuntimeError("the experts' gradients are on their working copies ([optimizer] expert_grad_dtype = "
-                                   "'bfloat16'), which torchtitan's clip_grad_norm_ does not read: use 'float32'")
+                                   "'bfloat16' or 'auto'), which torchtitan's clip_grad_norm_ does not read: use 'float32'")
             return torchtitan_clip(parameters, max_norm, norm_type, error_if_nonfinite, foreach, pp_mesh, ep_enabled)
         norm = total_grad_norm(parameters, ep_enabled, working_copies)
         scale = torch.clamp((norm + 1e-6) / max_norm, min=1.0).float()

@@ -11,8 +11,8 @@ shortest estimated step. Nothing runs on a GPU: it is arithmetic on the flavor's
 
 Memory, per GPU, from first principles (no term fitted to a measurement). It predicts what
 `bench_train` prints: torch's peak *reserved* memory, the caching allocator's segments. The parts:
-    persistent  fp32 master weights (4 B), fp32 gradients (4 B; 2 B for experts outside FSDP2 with
-                [optimizer] expert_grad_dtype = "bfloat16") and the AdamW moments (8 B, or 4 B with
+    persistent  fp32 master weights (4 B), fp32 gradients (4 B; 2 B for experts outside FSDP2 where
+                [optimizer] expert_grad_dtype keeps them in bf16) and the AdamW moments (8 B, or 4 B with
                 [optimizer] moments_dtype = "bfloat16") per local parameter (all sharded by FSDP/HSDP)
     forward     bf16 compute copies of the weights (one process: autocast's copies of every matrix,
                 kept for the backward; FSDP2: two unsharded blocks in flight and the unsharded
@@ -403,6 +403,7 @@ def _positive(argv: list[str], flag: str, required: bool, what: str) -> int | No
 def parse(argv: list[str]):
     """(config, Shape, Run, nodes, gpus_per_node, Gpu, accumulation steps)."""
     from torchtitan_moe.config_loader import load_job_config
+    from torchtitan_moe.config_torchtitan import expert_gradient_conflicts
     from torchtitan_moe.models.qwen3_moe import flavor_args
 
     argv = list(argv)
@@ -429,7 +430,9 @@ def parse(argv: list[str]):
                               f"({world} x {seq} x {micro} = {world * seq * micro} tokens)")
         accum = global_batch // (world * seq * micro)
     moments = 4 if config.optimizer.moments_dtype == "bfloat16" else 8
-    expert_grads = 2 if config.optimizer.expert_grad_dtype == "bfloat16" else 4
+    setting = config.optimizer.expert_grad_dtype  # "auto": kept in bf16 where nothing stops it (on a GPU)
+    kept = setting == "bfloat16" or (setting == "auto" and accum == 1 and not expert_gradient_conflicts(config))
+    expert_grads = 2 if kept else 4
     run = Run(seq, micro, moments, config.dispatch.buffers, expert_grads)
     return config, shape, run, nodes, per_node, GPUS[gpu_name], accum
 

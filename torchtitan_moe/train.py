@@ -74,9 +74,9 @@ class MoETrainer(Trainer):
         # Both models: a comparison of the two clips the same way.
         replace_clip_grad_norm(lambda torchtitan_clip: clip_in_optimizer(self.optimizers, torchtitan_clip))
         attach_working_copies(self.optimizers, self.model_parts)
-        if self.ours and job_config.optimizer.expert_grad_dtype == "bfloat16":
-            keep_expert_gradients(self.optimizers, self.model_parts, self.gradient_accumulation_steps,
-                                  self.parallel_dims.pp_enabled)
+        if self.ours:  # torchtitan's baseline has no working copies
+            keep_expert_gradients(job_config.optimizer.expert_grad_dtype, self.optimizers, self.model_parts,
+                                  self.gradient_accumulation_steps, self.parallel_dims.pp_enabled)
 
     def close(self) -> None:
         super().close()

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor, init_device_mesh
 
 from numerics import assert_close_to_max
@@ -49,7 +50,8 @@ def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str
         loss.backward()
         grads = {name: full(p.grad) for name, p in model.named_parameters()}
         if rank == 0:
-            torch.save({"params": params, "grads": grads}, out)
+            by_rows = isinstance(model.tok_embeddings.weight, DTensor) and not isinstance(model.tok_embeddings, FSDPModule)
+            torch.save({"params": params, "grads": grads, "embedding_by_rows": by_rows}, out)
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -98,8 +100,10 @@ def check_first_step(tmp_path: Path, grad_rel: float) -> None:
     for name, g in single["grads"].items():  # every parameter takes part: none is cut off the graph
         per_row = g.reshape(g.shape[0], -1).abs().amax(dim=1) if name.endswith(("w13", "w2")) else g.abs().max()
         assert (per_row > 0).all(), f"{name}: zero gradient"
-    for overrides in [(), ("--parallelism.expert_parallel_degree", "2")]:
+    # [parallelism] embedding = "auto" shards the embedding by rows here (a 1-D FSDP mesh); "fsdp" gathers it.
+    for overrides in [(), ("--parallelism.embedding", "fsdp"), ("--parallelism.expert_parallel_degree", "2")]:
         sharded = first_step(tmp_path, 2, *overrides)
+        assert sharded["embedding_by_rows"] is ("fsdp" not in overrides), overrides
         assert_no_clones(sharded["params"])
         assert sharded["params"].keys() == single["params"].keys()
         for name, expected in single["params"].items():

@@ -187,6 +187,15 @@ class Optimizer:
 
 
 @dataclass
+class Parallelism:
+    embedding: Literal["auto", "fsdp", "rows"] = "auto"
+    """How the token embedding is sharded over the FSDP ranks: 'fsdp' (FSDP2 gathers the weight for the
+    forward and reduce-scatters its gradient, both exposed at the step's ends), 'rows' (each rank keeps
+    its rows and the tokens and their gradients travel instead: parallel/embedding.py), or 'auto': 'rows'
+    under FSDP without HSDP replicas or tied weights, else 'fsdp'. Our model only."""
+
+
+@dataclass
 class Metrics:
     peak_tflops: float = 0.0
     """Peak TFLOP/s that MFU is measured against (0: torchtitan's dense bf16 figure for the GPU)."""
@@ -210,6 +219,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     model: Model = field(default_factory=Model)
     metrics: Metrics = field(default_factory=Metrics)
+    parallelism: Parallelism = field(default_factory=Parallelism)
     optimizer: Optimizer = field(default_factory=Optimizer)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     training: Training = field(default_factory=Training)
@@ -280,6 +290,8 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(replicate >= 1, f"[parallelism] data_parallel_replicate_degree = {replicate}: must be >= 1")
     if world_size is not None:
         check_data_parallel(replicate, shard, ep, world_size)
+    _need(par.embedding != "rows" or replicate == 1, f"[parallelism] embedding = 'rows' shards the embedding over "
+          f"the FSDP ranks of one replica: with data_parallel_replicate_degree = {replicate} use 'fsdp' or 'auto'")
 
     if cfg.model.name == "qwen3_moe":  # [dispatch] configures our MoE layers; torchtitan's has its own EP
         check_dispatch(cfg, ep)

@@ -21,6 +21,7 @@ from torchtitan_moe.models.qwen3_moe.args import Qwen3MoEArgs
 from torchtitan_moe.models.sharded_init import full_tensors
 from torchtitan_moe.moe.experts import autocast_dtype
 from torchtitan_moe.moe.layer import MoE, resolve_kernels
+from torchtitan_moe.parallel.embedding import embed_sharded_rows
 from torchtitan_moe.torchtitan_compat import Attention, ModelProtocol, precompute_rope_cache, trunc_normal_
 
 
@@ -51,6 +52,19 @@ class TransformerBlock(nn.Module):
         self.ffn_norm.reset_parameters()
         self.attention.init_weights(self.out_init_std)
         self.moe.init_weights(self.out_init_std, buffer_device)
+
+
+class TokenEmbedding(nn.Embedding):
+    """tokens [*S] int64 -> [*S, D]. Where parallelize shards its rows over the FSDP ranks
+    ([parallelism] embedding = "rows"), each rank looks up the rows it holds for every rank's tokens
+    (parallel/embedding.py); else FSDP2 gathers the weight around a plain lookup."""
+
+    compute_dtype: torch.dtype | None = None  # set by shard_embedding_rows
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.compute_dtype is not None:
+            return embed_sharded_rows(tokens, self.weight, self.compute_dtype)
+        return super().forward(tokens)
 
 
 class OutputLayer(nn.Linear):
@@ -88,7 +102,7 @@ class Qwen3MoEModel(ModelProtocol):
     def __init__(self, args: Qwen3MoEArgs):
         super().__init__(args)
         self.model_args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = TokenEmbedding(args.vocab_size, args.dim)
         self.register_buffer("rope_cache", self._rope_cache(), persistent=False)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         self.norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -109,7 +123,8 @@ class Qwen3MoEModel(ModelProtocol):
         with seeded(self.model_args.init_seed, self.tok_embeddings.weight.device):
             self._init_weights(buffer_device)
 
-    def _init_weights(self, buffer_device: torch.device) -> None:        # Sharded parameters are initialized as full tensors, one part at a time: the init is
+    def _init_weights(self, buffer_device: torch.device) -> None:
+        # Sharded parameters are initialized as full tensors, one part at a time: the init is
         # a single process's from the same seed, whatever the mesh (models/sharded_init.py).
         with full_tensors(self.tok_embeddings):
             nn.init.normal_(self.tok_embeddings.weight)

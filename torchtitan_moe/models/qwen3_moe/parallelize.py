@@ -1,7 +1,7 @@
 """Parallelize Qwen3-MoE: expert parallelism, activation checkpointing, compile, FSDP2.
 
 FSDP2 groups (outermost last):
-    tok_embeddings | per block: router (fp32 params), experts (EP: on the efsdp mesh), block
+    tok_embeddings (unless sharded by rows: embedding_by_rows) | per block: router (fp32 params), experts (EP: on the efsdp mesh), block
     | norm + output | model
 Where the efsdp group has one rank (EP = the processes of a replica), the experts stay
 outside FSDP2: see keep_experts_unsharded.
@@ -17,7 +17,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import refresh_working_copies
+from torchtitan_moe.parallel.embedding import shard_embedding_rows
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
@@ -99,8 +101,13 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
     ep = parallel_dims.ep
     reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
 
-    fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     unsharded_experts: set[nn.Parameter] = set()  # their FSDP group would have one rank
+    outside_fsdp: set[nn.Parameter] = set()  # the above, and the embedding sharded by rows
+    if embedding_by_rows(job_config.parallelism.embedding, model, dp_mesh):
+        shard_embedding_rows(model.tok_embeddings, dp_mesh, mp.param_dtype)
+        outside_fsdp.add(model.tok_embeddings.weight)
+    else:
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     for block in model.layers.values():
         moe = block.moe
         fully_shard(moe.router, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
@@ -115,7 +122,7 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard,
                     ignored_params=unsharded_experts & set(block.parameters()))
     fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=unsharded_experts)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=unsharded_experts | outside_fsdp)
     if unsharded_experts:  # their working copies current before the (compiled) blocks read them
         model.register_forward_pre_hook(refresh_working_copies)
 
@@ -125,7 +132,24 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
             module.set_gradient_divide_factor(1.0)
     use_sum_reductions(model)
     logger.info(f"Applied FSDP2 over {list(dp_mesh.mesh_dim_names)} {tuple(dp_mesh.shape)}, EP = {ep}"
-                + (", experts outside FSDP2 (one rank per expert shard)" if unsharded_experts else ""))
+                + (", experts outside FSDP2 (one rank per expert shard)" if unsharded_experts else "")
+                + (", the embedding sharded by rows" if outside_fsdp else ""))
+
+
+def embedding_by_rows(setting: str, model: nn.Module, dp_mesh) -> bool:
+    """[parallelism] embedding: whether the embedding keeps its rows on their ranks (parallel/embedding.py)
+    instead of FSDP2 gathering it: on a 1-D FSDP mesh of more than one rank, weights untied. 'rows' refuses
+    anything else, 'auto' takes FSDP2 there."""
+    tied = model.output.weight is model.tok_embeddings.weight
+    why_not = ("HSDP replicates it (a 2-D mesh)" if dp_mesh.ndim != 1 else
+               "its FSDP group has one rank" if dp_mesh.size() == 1 else
+               "the output layer shares its weight (enable_weight_tying)" if tied else None)
+    if setting == "fsdp" or (setting == "auto" and why_not):
+        return False
+    if why_not:
+        raise ConfigError(f"[parallelism] embedding = 'rows' shards the embedding by rows over FSDP's ranks, but "
+                          f"{why_not}: use 'fsdp' or 'auto'")
+    return True
 
 
 def shard_experts(experts: nn.Module, edp_mesh, ep: int, mp: MixedPrecisionPolicy, reshard: bool) -> None:

@@ -158,6 +158,8 @@ OTHERS = [
     (["--optimizer.expert_grad_dtype", "bfloat16", "--training.mixed_precision_param", "bfloat16",
       "--training.global_batch_size", "32", "--nproc", "2"],
      "[optimizer] expert_grad_dtype = 'bfloat16' keeps one backward's gradients: global_batch_size = 32 accumulates 2"),
+    (["--parallelism.embedding", "rows", "--parallelism.data_parallel_replicate_degree", "2"],
+     "[parallelism] embedding = 'rows' shards the embedding over the FSDP ranks of one replica"),
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 

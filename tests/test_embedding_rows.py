@@ -1,8 +1,9 @@
 """The embedding sharded by rows (parallel/embedding.py) on 2 gloo ranks: each rank's lookup equals a plain
 embedding of the full weight, in the compute dtype, and the gradient each rank keeps for its rows is the sum
 over both ranks' tokens, exactly (integer-valued gradients: any summation order gives the same fp32), for a
-vocabulary split evenly, unevenly, and over fewer rows than ranks (one rank holds none). The trained model's
-sharded init and first gradients against one process: tests/test_sharded_init.py."""
+vocabulary split evenly, unevenly, and over fewer rows than ranks (one rank holds none); and where
+[parallelism] embedding's `auto` shards by rows and `rows` refuses. The trained model's sharded init and first
+gradients against one process: tests/test_sharded_init.py."""
 
 import pytest
 import torch
@@ -54,3 +55,37 @@ def test_shard_embedding_rows_refuses_a_two_dimensional_mesh():
 
     with pytest.raises(ValueError, match="a 1-D mesh, got 2-D"):
         shard_embedding_rows(nn.Embedding(4, D), Mesh(), torch.bfloat16)
+
+
+class FakeMesh:
+    def __init__(self, *shape: int):
+        self.ndim, self._size = len(shape), int(torch.tensor(shape).prod())
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("setting, mesh, tied, expected", [
+    ("auto", FakeMesh(2), False, True),
+    ("auto", FakeMesh(2, 2), False, False),  # HSDP
+    ("auto", FakeMesh(1), False, False),
+    ("auto", FakeMesh(2), True, False),
+    ("fsdp", FakeMesh(2), False, False),
+    ("rows", FakeMesh(4), False, True),
+    ("rows", FakeMesh(2, 2), False, "HSDP replicates it"),
+    ("rows", FakeMesh(1), False, "its FSDP group has one rank"),
+    ("rows", FakeMesh(2), True, "the output layer shares its weight"),
+])
+def test_auto_shards_the_embedding_by_rows_where_it_can_and_rows_refuses_elsewhere(setting, mesh, tied, expected):
+    from torchtitan_moe.config import ConfigError
+    from torchtitan_moe.models.qwen3_moe.parallelize import embedding_by_rows
+
+    model = nn.Module()
+    model.tok_embeddings, model.output = nn.Embedding(8, D), nn.Linear(D, 8, bias=False)
+    if tied:
+        model.output.weight = model.tok_embeddings.weight
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=rf"\[parallelism\] embedding = 'rows'.*{expected}.*: use 'fsdp' or 'auto'"):
+            embedding_by_rows(setting, model, mesh)
+    else:
+        assert embedding_by_rows(setting, model, mesh) is expected

@@ -1,8 +1,8 @@
 """Parallelize Qwen3-MoE: expert parallelism, activation checkpointing, compile, FSDP2.
 
 FSDP2 groups (outermost last):
-    tok_embeddings (unless sharded by rows: embedding_by_rows) | per block: router (fp32 params), experts (EP: on the efsdp mesh), block
-    | norm + output | model
+    tok_embeddings (unless sharded by rows: embedding_by_rows) | per block: router (fp32 params),
+    experts (EP: on the efsdp mesh), block | norm + output | model
 Where the efsdp group has one rank (EP = the processes of a replica), the experts stay
 outside FSDP2: see keep_experts_unsharded.
 The router gets its own group with fp32 parameters so the gate is computed in fp32 even
@@ -19,8 +19,8 @@ from torch.distributed.tensor import Shard
 
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import refresh_working_copies
-from torchtitan_moe.parallel.embedding import shard_embedding_rows
 from torchtitan_moe.parallel.build import build_dispatchers
+from torchtitan_moe.parallel.embedding import shard_embedding_rows
 from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,6 +55,9 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
 
     if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
         apply_fsdp(model, parallel_dims, job_config)
+    elif job_config.parallelism.embedding == "rows":
+        raise ConfigError("[parallelism] embedding = 'rows' shards the embedding by rows over FSDP's ranks, but this "
+                          "run has one data-parallel rank: use 'fsdp' or 'auto'")
     return model
 
 

@@ -49,6 +49,25 @@ def test_each_rank_looks_up_its_tokens_and_keeps_its_rows_gradient_summed_over_r
     run_ranks(rows_worker, 2, vocab, dtype)
 
 
+def precision_worker(rank: int, world: int, port: int, failures) -> None:
+    with rank_group(rank, world, port, failures):
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(1)
+        tokens = torch.zeros(world, 64, dtype=torch.long)  # every token of both ranks on row 0
+        grads = torch.randn(world, 64, D).to(torch.bfloat16)
+        embedding = nn.Embedding(4, D)
+        shard_embedding_rows(embedding, mesh, torch.bfloat16)
+        embed_sharded_rows(tokens[rank], embedding.weight, torch.bfloat16).backward(grads[rank])
+        expected = grads.double().sum(dim=(0, 1))
+        row0 = embedding.weight.grad.full_tensor()[0].double()
+        # Summed in fp32: a few fp32 roundings off the float64 sum; one bf16 rounding would be ~1e-3 relative.
+        assert torch.allclose(row0, expected, rtol=1e-5, atol=1e-5), (row0 - expected).abs().max()
+
+
+def test_the_gradient_of_a_row_is_summed_in_fp32_over_every_ranks_tokens():
+    run_ranks(precision_worker, 2)
+
+
 def test_shard_embedding_rows_refuses_a_two_dimensional_mesh():
     class Mesh:
         ndim, mesh_dim_names = 2, ("dp_replicate", "fsdp")

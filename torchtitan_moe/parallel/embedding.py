@@ -63,7 +63,7 @@ class _ShardedRows(torch.autograd.Function):
         # Read only the looked-up rows (fp32) and cast those: not the whole shard, as FSDP2's cast does.
         rows = nn.functional.embedding(index.clamp(0, max(held_rows - 1, 0)), local.detach()).to(compute_dtype) \
             if held_rows else local.new_zeros(index.numel(), local.shape[1], dtype=compute_dtype)
-        rows = torch.where(held[:, None], rows, 0)  # [W*N, D]: zeros where another rank holds the row
+        rows.masked_fill_(~held[:, None], 0)  # [W*N, D]: zeros where another rank holds the row
         out = _reduce_scatter(rows, mesh)
         ctx.save_for_backward(torch.where(held, index, held_rows))  # one row past this rank's: the others'
         ctx.mesh, ctx.held_rows, ctx.local_dtype = mesh, held_rows, local.dtype

@@ -266,3 +266,21 @@ def test_gemms_started_beside_another_streams_kernel_against_the_same_gemm_alone
     assert step_profile.abbreviate(grouped).endswith(grouped[-25:])  # the tail that tells the variants apart
     side = step_profile.compare_ranks({0: result, 1: step_profile.breakdown(step_profile.load(path))})
     assert "| GEMMs' extra beside other streams ms | 0.20 | 0.20 |" in side
+
+
+def test_a_gap_goes_to_the_stream_that_ran_through_most_of_it(tmp_path):
+    """The backward's exchange as the H200 trace showed it: the compute stream idles 1000-1660 while DeepEP's
+    notify (1005-1240) and dispatch (1240-1650) run on stream 20 and FSDP's reduce-scatter (1006-1490) on stream
+    26. The reduce-scatter outlasts each DeepEP kernel (484 µs against 410) but not their chain (645): the gap is
+    DeepEP's, whose dispatch the compute stream waited for."""
+    events = [
+        event("ProfilerStep#1", "user_annotation", 0, 3000),
+        *[event("sm90_gemm", "kernel", t, 1000, tid=7) for t in (0, 1660)],
+        event("void deep_ep::intranode::cached_notify_dispatch<2>(int const*)", "kernel", 1005, 235, tid=20),
+        event("void deep_ep::intranode::dispatch<2, 768, 8192>(int4*, float*)", "kernel", 1240, 410, tid=20),
+        event("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 1006, 484, tid=26),
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    idle = step_profile.breakdown(step_profile.load(tmp_path / "t.json"))["compute_idle"]
+    assert idle["stream"] == 7
+    assert idle["beside"] == [{"kernel": "deep_ep::intranode::dispatch<2, 768, 8192>", "ms": pytest.approx(0.66), "gaps": 1}]

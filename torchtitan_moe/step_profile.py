@@ -16,9 +16,9 @@ ProfilerStep#N is training step N + 1) and their mean, it prints:
 
 then the kernels with the most GPU time per step, each with its class (GEMM, NCCL, Triton ours,
 Triton compiled, elementwise/copy, other), the GPU time per class, the compute stream's idle time
-(the stream with the most kernel time: each gap between its kernels put on the kernel of another
-stream that ran through most of it, a DeepEP exchange or a collective the layer waits for, or on
-nothing: the host or an event), the compute stream's GEMMs that started while a kernel of another
+(the stream with the most kernel time: each gap between its kernels put on the other stream that ran
+through most of it and that stream's kernel that ran through most of it, a DeepEP exchange or a
+collective the layer waits for, or on nothing: the host or an event), the compute stream's GEMMs that started while a kernel of another
 stream ran (a persistent GEMM launches one CTA per SM; those without a free SM wait for that kernel,
 and a collective spinning for a late rank holds its SMs for as long) against the same GEMM started
 alone, what the longest profiled step ran beyond the shortest (a logging or monitor step shows
@@ -197,7 +197,7 @@ def short_name(name: str) -> str:
 
 def compute_stream_idle(gpu: list[Event], launched: list[list[Event]], stream: tuple | None) -> dict:
     """The compute stream (the one with the most kernel time) per step: its busy and idle time and the idle
-    time by what ran on another stream through most of each gap: {stream, busy_ms, idle_ms, beside: [{kernel,
+    time by what ran on another stream through most of each gap (the stream first, then its kernel): {stream, busy_ms, idle_ms, beside: [{kernel,
     ms, gaps}]}, ms per step. A step's gaps are those before each of its kernels, from the end of the
     stream's previous kernel (the step before's last one for its first). `stream`: compute_stream(gpu)."""
     if stream is None or not launched:
@@ -209,19 +209,25 @@ def compute_stream_idle(gpu: list[Event], launched: list[list[Event]], stream: t
             gaps.append((reach, e.start))
         reach = e.end if reach is None else max(reach, e.end)
     busy = union_length([(e.start, e.end) for e in mine])
-    # Each gap's cover by the other streams' events, kernel by kernel (gaps are disjoint and in order).
+    # Each gap's cover by the other streams' events, stream by stream and kernel by kernel (gaps are disjoint
+    # and in order). A gap goes to the stream that ran through most of it, then to that stream's kernel that
+    # ran through most of it: an exchange is a chain of kernels on one stream (DeepEP's notify, then its
+    # dispatch), and a collective beside it on another stream may outlast each link but not the chain.
     starts = [g[0] for g in gaps]
-    cover = [defaultdict(float) for _ in gaps]
+    cover = [defaultdict(lambda: defaultdict(float)) for _ in gaps]
     for e in gpu:
         if e.thread == stream:
             continue
         j = bisect.bisect_left(starts, e.end) - 1
         while j >= 0 and gaps[j][1] > e.start:
-            cover[j][short_name(e.name)] += min(gaps[j][1], e.end) - max(gaps[j][0], e.start)
+            cover[j][e.thread][short_name(e.name)] += min(gaps[j][1], e.end) - max(gaps[j][0], e.start)
             j -= 1
     beside = defaultdict(lambda: [0.0, 0])
-    for (start, end), kernels in zip(gaps, cover):
-        key = max(kernels, key=kernels.get) if kernels else "(nothing: the host, or an event)"
+    for (start, end), streams in zip(gaps, cover):
+        key = "(nothing: the host, or an event)"
+        if streams:
+            kernels = max(streams.values(), key=lambda k: sum(k.values()))
+            key = max(kernels, key=kernels.get)
         beside[key][0] += end - start
         beside[key][1] += 1
     n = len(launched)
@@ -350,7 +356,8 @@ def render(result: dict, top: int = 15) -> str:
     idle = result.get("compute_idle")
     if idle:
         lines += ["", f"the compute stream (stream {idle['stream']}): {idle['busy_ms']:.2f} ms busy, {idle['idle_ms']:.2f} ms "
-                  "idle per step; its idle time by the kernel of another stream that ran through most of each gap:", "",
+                  "idle per step; its idle time by the other stream that ran through most of each gap (named by that stream's "
+                  "kernel that ran through most of it):", "",
                   "| beside | idle ms per step | gaps per step |", "|---|---|---|"]
         lines += [f"| {r['kernel']} | {r['ms']:.2f} | {r['gaps']:.1f} |" for r in idle["beside"][:top]]
     if result.get("gemms_beside"):

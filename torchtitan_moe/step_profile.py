@@ -14,20 +14,21 @@ ProfilerStep#N is training step N + 1) and their mean, it prints:
   host syncs calls that block the host until the GPU catches up (stream/device/event synchronize,
              blocking cudaMemcpy), their count and the host time spent in them
 
-then the kernels with the most GPU time per step, each with its class (GEMM, NCCL, Triton ours,
-Triton compiled, elementwise/copy, other), the GPU time per class, the compute stream's idle time
-(the stream with the most kernel time: each gap between its kernels put on the other stream that ran
-through most of it and that stream's kernel that ran through most of it, a DeepEP exchange or a
-collective the layer waits for, or on nothing: the host or an event), the compute stream's GEMMs that started while a kernel of another
-stream ran (a persistent GEMM launches one CTA per SM; those without a free SM wait for that kernel,
-and a collective spinning for a late rank holds its SMs for as long) against the same GEMM started
-alone, what the longest profiled step ran beyond the shortest (a logging or monitor step shows
-here), and where the idle time goes: each gap in the GPU's work is put on the host op that launched the work ending it (its outermost op on
-that thread and the op that launched; "after a sync" where the host had just waited for the GPU, so
-the gap is its time to launch again). A step's kernels (their times, classes and the longest step's
-extra) are the ones its host range launched (the trace's correlation ids; without them, the ones that
-start inside it): without a host sync at the end of every step (log_freq > 1) the GPU runs behind the
-host, and a step ending in syncs (a logging step) would otherwise take the work queued before it.
+then the kernels with the most GPU time per step, each with its class (GEMM, NCCL, Triton ours, Triton
+compiled, elementwise/copy, other), the GPU time per class, the compute stream's idle time (the stream
+with the most kernel time: each gap between its kernels put on the other stream that ran through most of
+it and that stream's kernel that ran through most of it, a DeepEP exchange or a collective the layer
+waits for, or on nothing: the host or an event), the compute stream's GEMMs that started while a kernel
+of another stream ran (a persistent GEMM launches one CTA per SM; those without a free SM wait for that
+kernel, and a collective spinning for a late rank holds its SMs for as long) against the same GEMM
+started alone, what the longest profiled step ran beyond the shortest (a logging or monitor step shows
+here), and where the idle time goes: each gap in the GPU's work is put on the host op that launched the
+work ending it (its outermost op on that thread and the op that launched; "after a sync" where the host
+had just waited for the GPU, so the gap is its time to launch again). A step's kernels (their times,
+classes and the longest step's extra) are the ones its host range launched (the trace's correlation ids;
+without them, the ones that start inside it): without a host sync at the end of every step
+(log_freq > 1) the GPU runs behind the host, and a step ending in syncs (a logging step) would otherwise
+take the work queued before it.
 GPU busy and idle are what the GPU did during the host range.
 
 Given several traces (rank0_trace.json, rank1_trace.json, ... of one run), it breaks down the first
@@ -196,10 +197,11 @@ def short_name(name: str) -> str:
 
 
 def compute_stream_idle(gpu: list[Event], launched: list[list[Event]], stream: tuple | None) -> dict:
-    """The compute stream (the one with the most kernel time) per step: its busy and idle time and the idle
-    time by what ran on another stream through most of each gap (the stream first, then its kernel): {stream, busy_ms, idle_ms, beside: [{kernel,
-    ms, gaps}]}, ms per step. A step's gaps are those before each of its kernels, from the end of the
-    stream's previous kernel (the step before's last one for its first). `stream`: compute_stream(gpu)."""
+    """The compute stream (the one with the most kernel time) per step: its busy and idle time and the idle time
+    by what ran on another stream through most of each gap (the stream first, then its kernel): {stream,
+    busy_ms, idle_ms, beside: [{kernel, ms, gaps}]}, ms per step. A step's gaps are those before each of its
+    kernels, from the end of the stream's previous kernel (the step before's last one for its first). `stream`:
+    compute_stream(gpu)."""
     if stream is None or not launched:
         return {}
     mine = sorted((e for events in launched for e in events if e.thread == stream), key=lambda e: e.start)

@@ -284,3 +284,33 @@ def test_a_gap_goes_to_the_stream_that_ran_through_most_of_it(tmp_path):
     idle = step_profile.breakdown(step_profile.load(tmp_path / "t.json"))["compute_idle"]
     assert idle["stream"] == 7
     assert idle["beside"] == [{"kernel": "deep_ep::intranode::dispatch<2, 768, 8192>", "ms": pytest.approx(0.66), "gaps": 1}]
+
+
+def test_gaps_lists_the_compute_streams_waits_in_order_with_the_call_behind_each(tmp_path, capsys):
+    """One step: the compute stream runs 0-1000, 1300-1400 and 1450-2450; DeepEP's dispatch runs 1010-1290 beside
+    the first gap (300 µs), nothing beside the second (50 µs, under --min-us 100). The kernel after the first gap
+    was launched inside combine_backward's host op (correlation 2)."""
+    events = [
+        event("ProfilerStep#1", "user_annotation", 0, 3000),
+        event("autograd::engine::evaluate_function: FunctionBackward", "cpu_op", 100, 200, tid=1),
+        event("torchtitan_moe::combine_backward", "cpu_op", 110, 100, tid=1),
+        *[event("cudaLaunchKernel", "cuda_runtime", t, 5, tid=1, args={"correlation": c})
+          for t, c in ((10, 1), (120, 2), (400, 3))],
+        event("sm90_gemm", "kernel", 0, 1000, tid=7, args={"correlation": 1}),
+        event("_gather_kernel", "kernel", 1300, 100, tid=7, args={"correlation": 2}),
+        event("sm90_gemm", "kernel", 1450, 1000, tid=7, args={"correlation": 3}),
+        event("void deep_ep::intranode::dispatch<2, 768, 8192>(int4*, float*)", "kernel", 1010, 280, tid=20),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    rows = step_profile.compute_stream_gaps(step_profile.load(path), 0, 100)
+    assert rows == [{"at_ms": 1.0, "gap_us": 300, "after": "sm90_gemm", "before": "_gather_kernel",
+                     "beside": "deep_ep::intranode::dispatch<2, 768, 8192>",
+                     "host_ops": ["autograd::engine::evaluate_function: FunctionBackward",
+                                  "torchtitan_moe::combine_backward"]}]
+    assert step_profile.main([str(path), "--gaps", "0", "--min-us", "40"]) == 0
+    table = capsys.readouterr().out
+    assert "| 1.00 | 300 | sm90_gemm | _gather_kernel | deep_ep::intranode::dispatch<2, 768, 8192> |" in table
+    assert "| 1.40 | 50 | _gather_kernel | sm90_gemm | (nothing: the host, or an event) | - |" in table
+    with pytest.raises(SystemExit, match="--gaps 1: the trace has 1 profiled steps"):
+        step_profile.main([str(path), "--gaps", "1"])

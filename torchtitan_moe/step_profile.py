@@ -1,6 +1,7 @@
 """Where a training step's time goes, from one rank's torch.profiler trace.
 
     python -m torchtitan_moe.step_profile TRACE.json[.gz] [TRACE.json ...] [--top 15] [--json OUT.json]
+    python -m torchtitan_moe.step_profile TRACE.json[.gz] --gaps STEP [--min-us 100]
 
 TRACE is a chrome trace as torchtitan's `[profiling]` writes it
 (<dump>/<save_traces_folder>/iteration_N/rankR_trace.json; `bench_train --profile` turns it on).
@@ -211,12 +212,26 @@ def compute_stream_idle(gpu: list[Event], launched: list[list[Event]], stream: t
             gaps.append((reach, e.start))
         reach = e.end if reach is None else max(reach, e.end)
     busy = union_length([(e.start, e.end) for e in mine])
-    # Each gap's cover by the other streams' events, stream by stream and kernel by kernel (gaps are disjoint
-    # and in order). A gap goes to the stream that ran through most of it, then to that stream's kernel that
-    # ran through most of it: an exchange is a chain of kernels on one stream (DeepEP's notify, then its
-    # dispatch), and a collective beside it on another stream may outlast each link but not the chain.
+    beside = defaultdict(lambda: [0.0, 0])
+    for (start, end), key in zip(gaps, beside_gaps(gaps, gpu, stream)):
+        beside[key][0] += end - start
+        beside[key][1] += 1
+    n = len(launched)
+    return {"stream": stream[1], "busy_ms": busy / n / 1e3, "idle_ms": sum(e - s for s, e in gaps) / n / 1e3,
+            "beside": sorted(({"kernel": k, "ms": ms / n / 1e3, "gaps": c / n} for k, (ms, c) in beside.items()),
+                             key=lambda r: -r["ms"])}
+
+
+NOTHING_BESIDE = "(nothing: the host, or an event)"
+
+
+def beside_gaps(gaps: list[tuple[float, float]], gpu: list[Event], stream: tuple) -> list[str]:
+    """What ran beside each of `stream`'s gaps (disjoint, in order): the other stream that ran through most
+    of it, named by its kernel that ran through most of it, or NOTHING_BESIDE. By stream first: an exchange is
+    a chain of kernels on one stream (DeepEP's notify, then its dispatch), and a collective beside it on
+    another stream may outlast each link but not the chain."""
     starts = [g[0] for g in gaps]
-    cover = [defaultdict(lambda: defaultdict(float)) for _ in gaps]
+    cover = [defaultdict(lambda: defaultdict(float)) for _ in gaps]  # gap -> stream -> kernel -> µs
     for e in gpu:
         if e.thread == stream:
             continue
@@ -224,18 +239,50 @@ def compute_stream_idle(gpu: list[Event], launched: list[list[Event]], stream: t
         while j >= 0 and gaps[j][1] > e.start:
             cover[j][e.thread][short_name(e.name)] += min(gaps[j][1], e.end) - max(gaps[j][0], e.start)
             j -= 1
-    beside = defaultdict(lambda: [0.0, 0])
-    for (start, end), streams in zip(gaps, cover):
-        key = "(nothing: the host, or an event)"
-        if streams:
-            kernels = max(streams.values(), key=lambda k: sum(k.values()))
-            key = max(kernels, key=kernels.get)
-        beside[key][0] += end - start
-        beside[key][1] += 1
-    n = len(launched)
-    return {"stream": stream[1], "busy_ms": busy / n / 1e3, "idle_ms": sum(e - s for s, e in gaps) / n / 1e3,
-            "beside": sorted(({"kernel": k, "ms": ms / n / 1e3, "gaps": c / n} for k, (ms, c) in beside.items()),
-                             key=lambda r: -r["ms"])}
+    keys = []
+    for streams in cover:
+        kernels = max(streams.values(), key=lambda k: sum(k.values())) if streams else None
+        keys.append(max(kernels, key=kernels.get) if kernels else NOTHING_BESIDE)
+    return keys
+
+
+def compute_stream_gaps(events: list[Event], step: int, min_us: float) -> list[dict]:
+    """The compute stream's gaps of `min_us` and more among the kernels profiled step `step` (0-based) launched,
+    in order: [{at_ms (from the step's first such kernel), gap_us, after, before, beside (beside_gaps' rule),
+    host_ops (the ops around the launch of `before`, outermost first)}]. Where breakdown's idle table says
+    what the compute stream waited beside, this says where in the step and for which call."""
+    steps = sorted((e for e in events if STEP.fullmatch(e.name) and e.cat != "gpu_user_annotation"), key=lambda e: e.start)
+    if not 0 <= step < len(steps):
+        raise SystemExit(f"step_profile: --gaps {step}: the trace has {len(steps)} profiled steps (0-{len(steps) - 1})")
+    gpu = [e for e in events if e.cat in GPU_CATEGORIES]
+    launched_by = {e.correlation: e for e in events if e.cat in HOST_CATEGORIES and e.correlation is not None}
+    stream = compute_stream(gpu)
+    mine = sorted((e for e in launched_in_steps(steps, gpu, launched_by)[step] if e.thread == stream),
+                  key=lambda e: e.start)
+    threads = defaultdict(list)
+    for e in events:
+        if e.cat in HOST_OPS and not STEP.fullmatch(e.name):
+            threads[e.thread].append(e)
+    nesting = {thread: Nesting(ops) for thread, ops in threads.items()}
+    pairs = [(a, b) for a, b in zip(mine, mine[1:]) if b.start - a.end >= min_us]
+    keys = beside_gaps([(a.end, b.start) for a, b in pairs], gpu, stream)
+    rows = []
+    for (a, b), key in zip(pairs, keys):
+        launch = launched_by.get(b.correlation)
+        chain = nesting[launch.thread].around(launch.start) if launch is not None and launch.thread in nesting else []
+        rows.append({"at_ms": (a.end - mine[0].start) / 1e3, "gap_us": b.start - a.end, "after": short_name(a.name),
+                     "before": short_name(b.name), "beside": key, "host_ops": [op.name for op in chain]})
+    return rows
+
+
+def render_gaps(rows: list[dict]) -> str:
+    lines = ["| at ms | gap µs | after | before | beside | host ops around the launch of `before` |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        ops = " > ".join(r["host_ops"]) if r["host_ops"] else "-"
+        lines.append(f"| {r['at_ms']:.2f} | {r['gap_us']:.0f} | {abbreviate(r['after'], 40)} | {abbreviate(r['before'], 40)} | "
+                     f"{abbreviate(r['beside'], 50)} | {ops[:160]} |")
+    return "\n".join(lines)
 
 
 def compute_stream(gpu: list[Event]) -> tuple | None:
@@ -425,7 +472,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", nargs="+", help="one rank's trace, or every rank's (the first is broken down)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--json", default=None, help="also write the figures here")
+    parser.add_argument("--gaps", type=int, metavar="STEP", default=None,
+                        help="instead, list the compute stream's gaps of profiled step STEP (0-based) of the first "
+                             "trace, in order, with what ran beside each and the host ops of the call after it")
+    parser.add_argument("--min-us", type=float, default=100.0, help="--gaps: the shortest gap listed (µs)")
     args = parser.parse_args(argv)
+    if args.gaps is not None:
+        print(render_gaps(compute_stream_gaps(load(args.trace[0]), args.gaps, args.min_us)))
+        return 0
     results = [breakdown(load(t)) for t in args.trace]
     print(render(results[0], args.top))
     if len(results) > 1:

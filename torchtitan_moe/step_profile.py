@@ -108,6 +108,21 @@ def load(path: str | Path) -> list[Event]:
             for e in raw if e.get("ph") == "X" and "ts" in e and "name" in e]
 
 
+def profiled_steps(events: list[Event]) -> list[Event]:
+    """The host's ProfilerStep#N ranges, in order. The trace repeats each one on the GPU timeline
+    (gpu_user_annotation, first kernel to last), which would count every step twice."""
+    return sorted((e for e in events if STEP.fullmatch(e.name) and e.cat != "gpu_user_annotation"),
+                  key=lambda e: e.start)
+
+
+def host_nesting(events: list[Event]) -> dict[tuple, Nesting]:
+    """Each host thread's ops (the steps' own ranges left out), nested by time."""
+    threads = defaultdict(list)
+    for e in events:
+        if e.cat in HOST_OPS and not STEP.fullmatch(e.name):
+            threads[e.thread].append(e)
+    return {thread: Nesting(ops) for thread, ops in threads.items()}
+
 def kernel_class(name: str) -> str:
     low = name.lower()
     if "nccl" in low:
@@ -134,10 +149,7 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
 
 def breakdown(events: list[Event]) -> dict:
     """Per-step figures and the kernel totals over the profiled steps (times in ms)."""
-    # The host's ranges: the trace repeats each one on the GPU timeline (gpu_user_annotation,
-    # first kernel to last), which would count every step twice.
-    steps = sorted((e for e in events if STEP.fullmatch(e.name) and e.cat != "gpu_user_annotation"),
-                   key=lambda e: e.start)
+    steps = profiled_steps(events)
     if not steps:
         raise SystemExit("step_profile: no ProfilerStep#N ranges in the trace: was it written by torch.profiler "
                          "with a schedule (torchtitan's [profiling])?")
@@ -251,7 +263,7 @@ def compute_stream_gaps(events: list[Event], step: int, min_us: float) -> list[d
     in order: [{at_ms (from the step's first such kernel), gap_us, after, before, beside (beside_gaps' rule),
     host_ops (the ops around the launch of `before`, outermost first)}]. Where breakdown's idle table says
     what the compute stream waited beside, this says where in the step and for which call."""
-    steps = sorted((e for e in events if STEP.fullmatch(e.name) and e.cat != "gpu_user_annotation"), key=lambda e: e.start)
+    steps = profiled_steps(events)
     if not 0 <= step < len(steps):
         raise SystemExit(f"step_profile: --gaps {step}: the trace has {len(steps)} profiled steps (0-{len(steps) - 1})")
     gpu = [e for e in events if e.cat in GPU_CATEGORIES]
@@ -259,11 +271,7 @@ def compute_stream_gaps(events: list[Event], step: int, min_us: float) -> list[d
     stream = compute_stream(gpu)
     mine = sorted((e for e in launched_in_steps(steps, gpu, launched_by)[step] if e.thread == stream),
                   key=lambda e: e.start)
-    threads = defaultdict(list)
-    for e in events:
-        if e.cat in HOST_OPS and not STEP.fullmatch(e.name):
-            threads[e.thread].append(e)
-    nesting = {thread: Nesting(ops) for thread, ops in threads.items()}
+    nesting = host_nesting(events)
     pairs = [(a, b) for a, b in zip(mine, mine[1:]) if b.start - a.end >= min_us]
     keys = beside_gaps([(a.end, b.start) for a, b in pairs], gpu, stream)
     rows = []
@@ -354,11 +362,7 @@ def idle_by_host_op(events: list[Event], steps: list[Event], gpu: list[Event], h
                     launched_by: dict[int, Event]) -> dict:
     """{(outermost host op, launching op, after a sync): [idle µs, gaps]} over the steps: each gap in
     the union of GPU work inside a step goes to the launch of the GPU event that ends it."""
-    threads = defaultdict(list)
-    for e in events:
-        if e.cat in HOST_OPS and not STEP.fullmatch(e.name):
-            threads[e.thread].append(e)
-    nesting = {thread: Nesting(ops) for thread, ops in threads.items()}
+    nesting = host_nesting(events)
     sync_ends = sorted(e.end for e in host if e.name in SYNCS)
     totals = defaultdict(lambda: [0.0, 0])
 

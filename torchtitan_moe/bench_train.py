@@ -52,7 +52,7 @@ from torchtitan_moe import step_profile
 from torchtitan_moe.parity import log_tail, override, run_training, settings_from, split_overrides
 from torchtitan_moe.parity_report import read_metrics
 
-MODELS = ("torchtitan", "local", "all_to_all", "deepep")
+MODELS = ("torchtitan", "local", "all_to_all", "deepep", "all_gather")
 ROUTERS = ("learned", "balanced")
 MODES = ("eager", "compiled")
 LOSS_WINDOW = 10  # steps averaged in the eager-vs-compiled loss comparison

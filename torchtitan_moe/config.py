@@ -95,10 +95,11 @@ class Router:
 
 @dataclass
 class Dispatch:
-    backend: Literal["auto", "local", "all_to_all", "deepep"] = "auto"
+    backend: Literal["auto", "local", "all_to_all", "deepep", "all_gather"] = "auto"
     """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed,
     one copy of a token per destination rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8
-    on one node), 'auto' (local at EP = 1; else the faster one in tuned_file, or all_to_all)."""
+    on one node), 'all_gather' (EP = 2 on one node: every token to both ranks on the GPUs' copy
+    engines, no SM held), 'auto' (local at EP = 1; else the faster one in tuned_file, or all_to_all)."""
 
     tuned_file: str = ""
     """Your own dispatcher timings and DeepEP settings (`python -m torchtitan_moe.tune_dispatch`
@@ -391,6 +392,12 @@ def check_dispatch(cfg: Any, ep: int) -> None:
         precision = cfg.training.mixed_precision_param
         _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
                                        f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
+    if backend == "all_gather":
+        _need(ep == 2, f"[dispatch] backend = 'all_gather' sends every token to every EP rank: it takes "
+                       f"[parallelism] expert_parallel_degree = 2, got {ep}; use 'deepep' or 'all_to_all'")
+        _need(cfg.dispatch.overlap == "none", f"[dispatch] backend = 'all_gather' has no chunked overlap (its "
+                                              f"exchanges finish where they start): set overlap = 'none', got "
+                                              f"{cfg.dispatch.overlap!r}")
     _need(cfg.dispatch.overlap == "none" or ep > 1,
           f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
           f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")

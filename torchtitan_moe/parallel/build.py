@@ -57,6 +57,10 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
     choice = choose_dispatcher(job_config, shape, group, device_sms(device))
     logger.info(f"[dispatch] {choice.reason}")
     backend = None
+    if choice.backend == "all_gather":
+        from torchtitan_moe.dispatch.all_gather import build_transport
+
+        transport = build_transport(group, device)
     if choice.backend == "deepep":
         from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
         from torchtitan_moe.dispatch.deepep_backend import DeepEPV1
@@ -72,5 +76,9 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
         shard_experts(moe, ep_mesh)
         if choice.backend == "all_to_all":
             moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels, buffers=buffers))
+        elif choice.backend == "all_gather":
+            from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher
+
+            moe.set_dispatcher(AllGatherDispatcher(moe.num_experts, transport, align=align, kernels=kernels))
         else:
             moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels, buffers=buffers))

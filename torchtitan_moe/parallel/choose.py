@@ -72,6 +72,8 @@ def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, 
         return Choice("local", None, "local (EP = 1)" if backend == "auto" else "local ([dispatch] backend)")
     if backend == "all_to_all":
         return Choice("all_to_all", None, "all_to_all ([dispatch] backend)")
+    if backend == "all_gather":
+        return Choice("all_gather", None, "all_gather ([dispatch] backend)")
 
     user_file = cfg.dispatch.tuned_file
     found = tuned.lookup(user_file, shape)

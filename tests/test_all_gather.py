@@ -1,0 +1,218 @@
+"""The all-gather dispatcher against the local one, forward and backward, on gloo ranks; its
+transport's two calls against their definition. The copy-engine transport: tests/test_gpu_e2e.py."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from numerics import assert_close_to_max
+from torch.utils.checkpoint import checkpoint
+
+from spawn_ranks import rank_group, run_ranks
+from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher, build_transport
+from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport, sum_in_rank_order
+from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.parity import main as parity
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
+
+
+def make_layer(padding: str, zero_gate: bool, kernels: str = "torch") -> MoE:
+    torch.manual_seed(0)  # the same weights on every rank
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels=kernels,
+                        router_init_std=0.0 if zero_gate else 0.5), DIM)
+    layer.init_weights(out_std=0.1)
+    return layer
+
+
+def forward_backward(layer: MoE, x: torch.Tensor, grad: torch.Tensor, use_checkpoint: bool = False):
+    x = x.clone().requires_grad_()
+    out = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+    out.backward(grad)
+    return out.detach(), x.grad, layer.router.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad
+
+
+def worker(rank, world, port, padding, zero_gate, use_checkpoint, compiler, kernels, device, failures):
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    with rank_group(rank, world, port, failures, "nccl" if device == "cuda" else "gloo"):
+        torch.manual_seed(100 + rank)  # different tokens on every rank
+        x, grad = torch.randn(2, 7, DIM, device=device), torch.randn(2, 7, DIM, device=device)
+        local = make_layer(padding, zero_gate).to(device)  # the reference: torch kernels, EP = 1
+        ref = forward_backward(local, x, grad)
+        ref_w13, ref_w2 = ref[3].clone(), ref[4].clone()  # every rank's tokens reach the experts: summed
+        dist.all_reduce(ref_w13)
+        dist.all_reduce(ref_w2)
+
+        ep = make_layer(padding, zero_gate, kernels).to(device)
+        per_rank = EXPERTS // world
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        ep.experts.w13 = torch.nn.Parameter(ep.experts.w13.detach()[mine].clone())
+        ep.experts.w2 = torch.nn.Parameter(ep.experts.w2.detach()[mine].clone())
+        transport = build_transport(dist.group.WORLD, x.device)
+        assert type(transport).__name__ == ("PeerMemoryTransport" if device == "cuda" else "CollectiveTransport")
+        calls = count_calls(transport)
+        dispatcher = AllGatherDispatcher(EXPERTS, transport, align=local.dispatcher.align, kernels=kernels)
+        dispatcher.keep_exchanges = use_checkpoint
+        ep.set_dispatcher(dispatcher)
+        out = forward_backward(torch.compile(ep, backend=compiler) if compiler else ep, x, grad, use_checkpoint)
+
+        for name, got, expected in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), out,
+                                       (*ref[:3], ref_w13[mine], ref_w2[mine])):
+            if not expected.any():  # this rank's experts got no token (the zero gate): exact zeros
+                assert not got.any(), f"rank {rank}: {name} is not zero"
+                continue
+            assert_close_to_max(got, expected, 1e-5, f"rank {rank}: {name}")
+        # Forward: the tokens' all-gather and the partial sums' reduce-scatter; backward: their adjoints.
+        # A checkpointed recompute replays its two instead of repeating them.
+        assert calls == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter"], calls
+        assert not dispatcher._kept
+
+
+def count_calls(transport) -> list:
+    calls: list = []
+    for name in ("all_gather", "reduce_scatter"):
+        original = getattr(transport, name)
+        setattr(transport, name, lambda tensors, _f=original, _n=name: calls.append(_n) or _f(tensors))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "padding, zero_gate, use_checkpoint, compiler",
+    [
+        ("none", False, False, None),
+        ("always", False, False, None),
+        ("none", True, False, None),  # every token to experts 0..2: rank 1's experts get nothing
+        ("always", False, True, None),  # activation checkpointing replays the exchanges
+        pytest.param("none", False, False, "inductor", marks=pytest.mark.slow),  # ~40 s of compiling
+    ],
+)
+def test_all_gather_matches_local_dispatcher(padding, zero_gate, use_checkpoint, compiler):
+    run_ranks(worker, 2, padding, zero_gate, use_checkpoint, compiler, "torch", "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors need the interpreter; on a "
+                    "GPU test_gpu_e2e.py runs them compiled")
+def test_all_gather_with_triton_kernels_matches_local_dispatcher():
+    run_ranks(worker, 2, "always", False, False, None, "triton", "cpu")
+
+
+def transport_worker(rank, world, port, failures):
+    with rank_group(rank, world, port, failures):
+        transport = CollectiveTransport(dist.group.WORLD)
+        torch.manual_seed(rank)
+        a, b = torch.randn(3, 4).to(torch.bfloat16), torch.randint(0, 9, (3, 2))
+        ga, gb = transport.all_gather([a, b])
+        everyone = [torch.empty_like(a) for _ in range(world)]
+        dist.all_gather(everyone, a)
+        assert torch.equal(ga, torch.cat(everyone)) and gb.shape == (3 * world, 2) and gb.dtype == b.dtype
+        # Reduce-scatter: rank r gets rows [r T, (r + 1) T) of every rank's tensor, summed in fp32, rounded once.
+        c = torch.randn(2 * world, 5).to(torch.bfloat16)
+        (got,) = transport.reduce_scatter([c])
+        parts = [torch.empty_like(c) for _ in range(world)]
+        dist.all_gather(parts, c)
+        mine = [p[2 * rank:2 * rank + 2] for p in parts]
+        expected = sum(p.double() for p in mine).to(torch.bfloat16)
+        assert torch.equal(got, expected), (got, expected)
+
+
+def test_collective_transport_gathers_and_sums_in_rank_order():
+    run_ranks(transport_worker, 2, )
+
+
+def test_sum_in_rank_order_rounds_once():
+    # 1 + 2^-8 + 2^-8 in bf16: rounded after each add it stays 1 (ties to even); summed in fp32, 1 + 2^-7.
+    parts = [torch.tensor([1.0], dtype=torch.bfloat16), torch.tensor([2.0**-8], dtype=torch.bfloat16),
+             torch.tensor([2.0**-8], dtype=torch.bfloat16)]
+    assert sum_in_rank_order(parts).item() == 1 + 2.0**-7
+    assert sum_in_rank_order(parts[:2]).item() == 1.0  # two parts: one fp32 add, one rounding
+
+
+def refuses_worker(rank, world, port, failures):
+    with rank_group(rank, world, port, failures):
+        with pytest.raises(ValueError, match="takes EP = 2"):
+            build_transport(dist.group.WORLD, torch.device("cpu"))
+
+
+def test_all_gather_refuses_ep_4():
+    run_ranks(refuses_worker, 4)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_training_with_all_gather_matches_all_to_all_to_the_bit(tmp_path, mode):
+    # bf16 FSDP2 mixed precision, EP = 2, gloo: each rank's experts see the same rows in the same order and
+    # the two ranks' partial sums are added in the same order, so the losses and grad norms are the same bits;
+    # with activation checkpointing the recompute replays the kept exchanges.
+    code = parity([str(ROOT / "configs" / "debug.toml"), "--vary", "dispatch.backend=all_to_all,all_gather",
+                   "--steps", "3", "--nproc", "2", "--out", str(tmp_path), "--no-plot", "--one-launch", "--",
+                   "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16",
+                   "--activation_checkpoint.mode", mode])
+    report = (tmp_path / "parity.md").read_text()
+    assert code == 0, report
+    assert "| backend=all_gather | 0.00e+00 | 0.00e+00 | 0.00e+00 | 0.00e+00 | = | ok |" in report, report
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the copy-engine transport needs 2 GPUs")
+
+
+def peer_worker(rank, world, port, failures):
+    torch.cuda.set_device(rank)
+    with rank_group(rank, world, port, failures, "nccl"):
+        peer = PeerMemoryTransport(dist.group.WORLD)
+        reference = CollectiveTransport(dist.group.WORLD)
+        torch.manual_seed(rank)
+        # More messages than slots (the senders wait for the slots' release), a larger one halfway (the
+        # inbox made anew), mixed dtypes, tensors freed and their memory reused between calls.
+        for step, rows in enumerate([64, 64, 8, 64, 512, 512, 64, 512, 8, 512]):
+            x = torch.randn(rows, 96, device="cuda").to(torch.bfloat16)
+            ids = torch.randint(-1, 8, (rows, 3), device="cuda")
+            probs = torch.rand(rows, 3, device="cuda")
+            got = [g.clone() for g in peer.all_gather([x, ids, probs])]
+            for a, b, name in zip(got, reference.all_gather([x, ids, probs]), ("x", "ids", "probs")):
+                assert torch.equal(a, b), f"rank {rank}, message {step}: all_gather {name}"
+            y, p = torch.randn(2 * rows, 96, device="cuda").to(torch.bfloat16), torch.randn(2 * rows, 3, device="cuda")
+            for a, b, name in zip(peer.reduce_scatter([y, p]), reference.reduce_scatter([y, p]), ("y", "p")):
+                assert torch.equal(a, b), f"rank {rank}, message {step}: reduce_scatter {name}"
+            del x, ids, probs, y, p
+        # The copies ran on copy engines: no kernel on the device while they moved the rows (the first
+        # call of this size makes the inbox anew, with kernels: not profiled).
+        x = torch.randn(4096, 2048, device="cuda").to(torch.bfloat16)
+        peer.all_gather([x])
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            peer.all_gather([x])
+            torch.cuda.synchronize()
+        ops = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+        assert ops and all(name.startswith("Memcpy") for name in ops), ops
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_copy_engine_transport_matches_collectives():
+    run_ranks(peer_worker, 2)
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_training_with_all_gather_matches_deepep_and_all_to_all_on_gpus(tmp_path):
+    # Triton kernels, bf16, NCCL and the copy engines: the same rows in the same order on each rank's experts.
+    backends = "all_to_all,all_gather" + (",deepep" if importlib.util.find_spec("deep_ep") else "")
+    code = parity([str(ROOT / "configs" / "debug.toml"), "--vary", f"dispatch.backend={backends}",
+                   "--steps", "6", "--nproc", "2", "--out", str(tmp_path), "--no-plot", "--one-launch", "--",
+                   "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param", "bfloat16",
+                   "--kernels.backend", "triton", "--dispatch.buffers", "worst_case"])
+    report = (tmp_path / "parity.md").read_text()
+    print(report)
+    assert code == 0, report
+    assert "| backend=all_gather | 0.00e+00 | 0.00e+00 | 0.00e+00 | 0.00e+00 | = | ok |" in report, report
+
+
+@pytest.mark.gpu
+@two_gpus
+@pytest.mark.parametrize("use_checkpoint", [False, True])
+def test_all_gather_on_gpus_matches_local_dispatcher(use_checkpoint):
+    run_ranks(worker, 2, "always", False, use_checkpoint, None, "triton", "cuda")

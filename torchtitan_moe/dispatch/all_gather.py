@@ -1,0 +1,161 @@
+"""All-gather dispatcher (EP = 2 on one node): every token to every rank, on the copy engines.
+
+At EP = 2 with top-8 of 128 experts a token has an expert on the other rank 99.6% of the time
+(1 - (1/2)^8), so the dispatch is an all-gather of the tokens and the combine a reduce-scatter of
+each rank's partial sums, with sizes known without asking: no counts, no layout, no host sync.
+dispatch/peer_memory.py moves them with plain device copies into the other rank's symmetric
+memory, on the GPU's copy engines: no SM is held while the experts' persistent grouped GEMMs run.
+
+    start_dispatch  x [T, D], experts [T, K], probs [T, K] ─all_gather─► [P T, D], [P T, K], [P T, K]
+                    ─this rank's slots (ids - r E/P, -1 elsewhere)─► expert_major ─► ExpertBatch
+    start_combine   y [N, D] ─combine─► per (token of any rank) [P T, D] ─reduce_scatter─► [T, D]
+
+Rank r's partial sum of a token is its experts' outputs summed in fp32 and rounded to bf16 (ops.combine),
+the two ranks' partials summed in fp32 in rank order and rounded once: DeepEP's combine sums the same
+bf16 partials in that order. Backward: the all-gather's adjoint is the reduce-scatter of the rows' and
+probabilities' gradients, and the reduce-scatter's the all-gather of the output's gradient.
+
+Every rank must have the same T (training's local batch x seq_len). The expert-major rows are laid out
+for P T min(K, E/P) slots, as DeepEP's and all_to_all's worst-case buffers do. At EP = P > 2 every
+token still goes to every rank, (P - 1) T rows sent where DeepEP sends about T (1 - (1 - 1/P)^K) P/(P-1):
+this dispatcher takes EP = 2 only.
+
+On CPU (gloo) the same two calls run on torch.distributed's all_gather (CollectiveTransport).
+Under activation checkpointing the recompute replays the kept results (copies: the all-gather's
+results live in the transport's inbox only until its next call).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchtitan_moe import ops
+from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport
+from torchtitan_moe.dispatch.replay import ReplaysExchanges
+from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
+
+EP_SIZES = (2,)
+
+
+def build_transport(group: dist.ProcessGroup, device: torch.device):
+    """Copy engines on CUDA, torch.distributed's all_gather on CPU."""
+    if dist.get_world_size(group) not in EP_SIZES:
+        raise ValueError(f"[dispatch] backend = 'all_gather' takes EP = 2 (every token goes to every rank), got an "
+                         f"EP group of {dist.get_world_size(group)}; use 'deepep' or 'all_to_all'")
+    return PeerMemoryTransport(group) if device.type == "cuda" else CollectiveTransport(group)
+
+
+class _AllGather(torch.autograd.Function):
+    """(x [T, D], probs [T, K]) -> every rank's (x [P T, D], probs [P T, K]), gathered outside (or
+    replayed) and passed in `results`; backward: the reduce-scatter of their gradients. By this
+    backward the layer's recompute (if any) is over: what it left of the kept results is dropped (a
+    recompute stops once it has the tensors backward needs, before the combine's exchange)."""
+
+    @staticmethod
+    def forward(ctx, x, probs, transport, results, kept):
+        ctx.transport, ctx.kept = transport, kept
+        ctx.shapes = [(r.shape, r.dtype, r.device) for r in results]
+        ctx.set_materialize_grads(False)
+        return results[0], results[1]
+
+    @staticmethod
+    def backward(ctx, grad_x, grad_probs):
+        ctx.kept.clear()
+        # A collective: every rank sends both, zeros for a gradient it does not have.
+        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                 for g, (shape, dtype, device) in zip((grad_x, grad_probs), ctx.shapes)]
+        dx, dprobs = ctx.transport.reduce_scatter(grads)
+        return dx, dprobs, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """per_row [P T, D] -> this rank's rows summed over ranks [T, D], computed outside (or replayed);
+    backward: the all-gather of the gradient (its views read by combine's backward, queued next)."""
+
+    @staticmethod
+    def forward(ctx, per_row, transport, results):
+        ctx.transport = transport
+        return results[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.transport.all_gather([grad])[0], None, None
+
+
+class AllGatherDispatcher(ReplaysExchanges):
+    """Experts [r E/P, (r+1) E/P) on EP rank r, as the other dispatchers. `transport`: a
+    PeerMemoryTransport (CUDA) or CollectiveTransport, shared by the layers."""
+
+    def __init__(self, num_experts: int, transport, align: int = 1, kernels: str = "torch"):
+        super().__init__()
+        self.transport = transport
+        self.ep_size, self.rank = transport.size, transport.rank
+        if self.ep_size not in EP_SIZES:
+            raise ValueError(f"all_gather dispatcher: EP = {self.ep_size}; it takes EP = 2")
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts = {num_experts} is not divisible by the EP degree {self.ep_size}")
+        self.num_experts = num_experts
+        self.local_experts = num_experts // self.ep_size
+        self.align = align
+        self.kernels = kernels
+
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _Done:
+        if chunk:
+            raise ValueError("all_gather dispatcher: [dispatch] overlap = 'chunks' is not supported (its exchanges "
+                             "finish where they start); use overlap = 'none'")
+        gathered_x, experts, probs = self._gather(x, routing)
+        # This rank's slots: local expert ids, -1 and probability 0 for the other rank's.
+        local = experts - self.rank * self.local_experts
+        mine = (local >= 0) & (local < self.local_experts)
+        local = torch.where(mine, local, -1)
+        probs = torch.where(mine, probs, 0.0)
+        num_slots = gathered_x.shape[0] * min(experts.shape[1], self.local_experts)
+        # Read now: the inbox holds the gathered rows only until the transport's next call.
+        batch, index = expert_major(gathered_x, local, probs, self.local_experts, self.align, self.kernels,
+                                    num_slots=num_slots)
+        batch.ctx = index
+        return _Done(batch)
+
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _Done:
+        per_row = ops.combine(y, batch.ctx, backend=self.kernels)  # [P T, D]: this rank's experts summed
+        return _Done(self._scatter(per_row))
+
+    # -- the exchanges: outside torch.compile (the transport queues copies and stream waits) ----
+
+    @torch.compiler.disable
+    def _gather(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._replaying():
+            gathered_x, experts, probs = self._replayed()
+        else:
+            self._first_exchange()
+            with torch.no_grad():
+                gathered_x, experts, probs = self.transport.all_gather(
+                    [x.detach(), routing.experts, routing.probs.detach().float()])
+            if self.keep_exchanges and torch.is_grad_enabled():  # the inbox is reused: keep copies
+                self._keep((gathered_x.clone(), experts.clone(), probs.clone()))
+        gathered_x, probs = _AllGather.apply(x, routing.probs, self.transport, [gathered_x, probs], self._kept)
+        return gathered_x, experts, probs
+
+    @torch.compiler.disable
+    def _scatter(self, per_row: torch.Tensor) -> torch.Tensor:
+        if self._replaying():
+            out = self._replayed()
+        else:
+            with torch.no_grad():
+                (out,) = self.transport.reduce_scatter([per_row.detach()])
+            self._keep(out)
+        return _ReduceScatter.apply(per_row, self.transport, [out])
+
+
+class _Done:
+    """A finished exchange, for the seam's start/wait calls."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def send(self) -> None:
+        pass
+
+    def wait(self):
+        return self.result

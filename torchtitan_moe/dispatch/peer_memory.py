@@ -1,0 +1,260 @@
+"""All-gather and reduce-scatter of equal parts between the GPUs of one node, on their copy engines.
+
+The all-gather dispatcher (dispatch/all_gather.py) moves whole tensors of a fixed size, so it needs
+no counts, no layout and no kernel of its own: each rank pushes its part into the other ranks'
+inboxes (symmetric memory, mapped into every rank's address space) with plain device copies, which
+the GPU runs on its copy engines. No SM is held, unlike NCCL's or DeepEP's kernels, whose CTAs
+delay a persistent grouped GEMM beside them (worklogs/2026-11-26-session5-h200x2.md). The
+handshake is on stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32): the
+GPU's front end waits for a flag, no kernel spins.
+
+    all_gather([t [T, ...], ...])     -> [P T, ...] each, rank r's part at rows [r T, (r + 1) T)
+    reduce_scatter([t [P T, ...]])    -> [T, ...] each: sum over ranks of their part r, in rank order,
+                                         in fp32, rounded once to t's dtype (DeepEP's combine sums so)
+
+Every rank must make the same calls in the same order with the same shapes (equal tokens per rank).
+
+Inbox: SLOTS slots, each message (one call, all its tensors) in slot n % SLOTS, tensor j at its own
+offset with one part per source rank behind another, so that a gathered tensor is one [P T, ...]
+view. Flags (int32, symmetric): ready[slot, src] = n when src's part of message n arrived, written by
+src after its copy on the same stream (the write carries a memory fence); freed[slot, dst] = n when
+dst has read its inbox slot's message n, written by dst; a sender waits for freed >= n - SLOTS
+before it overwrites that slot. An all-gather's views stay readable until the next call (whatever
+reads them is queued before it: the next call releases them, on the current stream); a
+reduce-scatter reads and releases its inbox itself.
+
+`CollectiveTransport` does the same with torch.distributed's all_gather (any backend: gloo on CPU),
+for CPU runs and as the reference of the tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+
+import torch
+import torch.distributed as dist
+
+SLOTS = 3
+_ALIGN = 256  # bytes: each tensor of a message starts aligned, so views of any dtype are
+_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+
+
+class PeerMemoryUnavailable(RuntimeError):
+    """Symmetric memory or peer access is missing; the message says what and what to do instead."""
+
+
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in fp32, rounded once to parts[0].dtype. Two bf16 tensors: torch's
+    add computes in fp32 and rounds once, the same result in one kernel."""
+    if len(parts) == 2:
+        return torch.add(parts[0], parts[1])
+    acc = parts[0].float()
+    for part in parts[1:]:
+        acc = acc + part
+    return acc.to(parts[0].dtype)
+
+
+class CollectiveTransport:
+    """The same two calls on torch.distributed's all_gather: CPU runs (gloo), and the reference."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [torch.cat(self._gather(t)) for t in tensors]
+
+    def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for t in tensors:
+            rows = _part_rows(t, self.size)
+            mine = slice(self.rank * rows, (self.rank + 1) * rows)
+            out.append(sum_in_rank_order([everyone[mine] for everyone in self._gather(t)]))
+        return out
+
+    def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return parts
+
+
+def _part_rows(t: torch.Tensor, size: int) -> int:
+    if t.shape[0] % size:
+        raise ValueError(f"reduce_scatter: {t.shape[0]} rows do not split into {size} equal parts")
+    return t.shape[0] // size
+
+
+class _Driver:
+    """cuStreamWriteValue32 / cuStreamWaitValue32 from the CUDA driver (torch loads it)."""
+
+    def __init__(self):
+        lib = ctypes.CDLL("libcuda.so.1")
+        self.write, self.wait = lib.cuStreamWriteValue32_v2, lib.cuStreamWaitValue32_v2
+        for fn in (self.write, self.wait):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+
+    def write_value(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        _check(self.write(ctypes.c_void_p(stream.cuda_stream), address, value, 0), "cuStreamWriteValue32")
+
+    def wait_value(self, stream: torch.cuda.Stream, address: int, value: int) -> None:
+        _check(self.wait(ctypes.c_void_p(stream.cuda_stream), address, value, _GEQ), "cuStreamWaitValue32")
+
+
+def _check(result: int, name: str) -> None:
+    if result != 0:
+        raise RuntimeError(f"{name} failed: CUresult {result}")
+
+
+class PeerMemoryTransport:
+    """The two calls on copy engines between the GPUs of `group` (one node, peer access between all).
+
+    The inbox is sized by the first call (or a larger later one: then every rank waits for its
+    streams and they all allocate anew, collectively)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        try:
+            import torch.distributed._symmetric_memory as symm_mem
+        except ImportError as e:
+            raise PeerMemoryUnavailable(f"torch.distributed._symmetric_memory cannot be imported ({e})") from None
+        self.symm_mem = symm_mem
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.driver = _Driver()
+        self.copy_stream = torch.cuda.Stream(self.device, priority=-1)  # pushes to the peers
+        self.self_stream = torch.cuda.Stream(self.device, priority=-1)  # the own part, beside them
+        self.capacity = 0  # bytes of one slot
+        self.seq = 0  # messages so far (the same on every rank)
+        self.unreleased: list[int] = []  # all-gathers whose views may still be read
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def _ensure(self, slot_bytes: int) -> None:
+        if slot_bytes <= self.capacity:
+            return
+        if self.capacity:  # every rank gets here at the same call: drain, then reallocate together
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+        capacity = math.ceil(slot_bytes / _ALIGN) * _ALIGN
+        sm = self.symm_mem
+        inbox = sm.empty(SLOTS * capacity, dtype=torch.uint8, device=self.device)
+        flags = sm.empty(2 * SLOTS * self.size, dtype=torch.int32, device=self.device).zero_()
+        name = self.group.group_name
+        inbox_handle, flags_handle = sm.rendezvous(inbox, name), sm.rendezvous(flags, name)
+        self.inbox, self.flags = inbox, flags
+        self.peer_inbox = {q: inbox_handle.get_buffer(q, (SLOTS * capacity,), torch.uint8)
+                           for q in range(self.size) if q != self.rank}
+        self.peer_flags = {q: flags_handle.get_buffer(q, (2 * SLOTS * self.size,), torch.int32)
+                           for q in range(self.size) if q != self.rank}
+        self.capacity, self.seq, self.unreleased = capacity, 0, []
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every rank's flags are zero before anyone writes them
+
+    def _ready(self, slot: int, src: int) -> int:
+        return slot * self.size + src
+
+    def _freed(self, slot: int, dst: int) -> int:
+        return SLOTS * self.size + slot * self.size + dst
+
+    @staticmethod
+    def _layout(sizes: list[int]) -> list[int]:
+        offsets, at = [], 0
+        for size in sizes:
+            offsets.append(at)
+            at += math.ceil(size / _ALIGN) * _ALIGN
+        return offsets + [at]
+
+    # -- the two calls ------------------------------------------------------------------------
+
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = [t.contiguous() for t in tensors]
+        part_bytes = [t.numel() * t.element_size() for t in tensors]
+        offsets = self._layout([self.size * b for b in part_bytes])
+        slot = self._start(offsets[-1])
+        base = slot * self.capacity
+        current = torch.cuda.current_stream(self.device)
+        for stream, targets in ((self.copy_stream, self.peer_inbox.items()),
+                                (self.self_stream, [(self.rank, self.inbox)])):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for q, inbox in targets:
+                    for t, at, nbytes in zip(tensors, offsets, part_bytes):
+                        start = base + at + self.rank * nbytes
+                        inbox[start:start + nbytes].copy_(t.view(-1).view(torch.uint8))
+                    if q != self.rank:
+                        self._write(stream, self.peer_flags[q], self._ready(slot, self.rank), self.seq)
+            for t in tensors:
+                t.record_stream(stream)
+        self._arrive(slot, current)
+        self.unreleased.append(slot)
+        return [self.inbox[base + at: base + at + self.size * nbytes].view(t.dtype).view(self.size * t.shape[0],
+                                                                                            *t.shape[1:])
+                for t, at, nbytes in zip(tensors, offsets, part_bytes)]
+
+    def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = [t.contiguous() for t in tensors]
+        rows = [_part_rows(t, self.size) for t in tensors]
+        part_bytes = [r * t[0].numel() * t.element_size() for t, r in zip(tensors, rows)]
+        offsets = self._layout([self.size * b for b in part_bytes])
+        slot = self._start(offsets[-1])
+        base = slot * self.capacity
+        current = torch.cuda.current_stream(self.device)
+        self.copy_stream.wait_stream(current)
+        with torch.cuda.stream(self.copy_stream):
+            for q, inbox in self.peer_inbox.items():  # q's part of every tensor, to q
+                for t, r, at, nbytes in zip(tensors, rows, offsets, part_bytes):
+                    start = base + at + self.rank * nbytes
+                    inbox[start:start + nbytes].copy_(t[q * r:(q + 1) * r].reshape(-1).view(torch.uint8))
+                self._write(self.copy_stream, self.peer_flags[q], self._ready(slot, self.rank), self.seq)
+        for t in tensors:
+            t.record_stream(self.copy_stream)
+        self._arrive(slot, current)
+        out = []
+        for t, r, at, nbytes in zip(tensors, rows, offsets, part_bytes):
+            parts = [t[self.rank * r:(self.rank + 1) * r] if src == self.rank else
+                     self.inbox[base + at + src * nbytes: base + at + (src + 1) * nbytes].view(t.dtype).view(r, *t.shape[1:])
+                     for src in range(self.size)]
+            out.append(sum_in_rank_order(parts))
+        self._release(slot, current)  # read by the sums just queued
+        return out
+
+    # -- the handshake ------------------------------------------------------------------------
+
+    def _start(self, slot_bytes: int) -> int:
+        """The next message's slot, once earlier all-gathers' views are released and the peers have
+        released this slot's previous message (the copy stream waits for that, not the host)."""
+        self._ensure(slot_bytes)
+        current = torch.cuda.current_stream(self.device)
+        for slot in self.unreleased:
+            self._release(slot, current)
+        self.unreleased = []
+        self.seq += 1
+        slot = self.seq % SLOTS
+        if self.seq > SLOTS:
+            for q in self.peer_inbox:
+                self.driver.wait_value(self.copy_stream, _address(self.flags, self._freed(slot, q)), self.seq - SLOTS)
+        return slot
+
+    def _arrive(self, slot: int, current: torch.cuda.Stream) -> None:
+        """The current stream waits for every peer's part of this message and for the own copies."""
+        for q in self.peer_inbox:
+            self.driver.wait_value(current, _address(self.flags, self._ready(slot, q)), self.seq)
+        current.wait_stream(self.self_stream)  # (our pushes' sources are kept by record_stream)
+
+    def _release(self, slot: int, stream: torch.cuda.Stream) -> None:
+        seq = self._slot_seq(slot)
+        for q, flags in self.peer_flags.items():
+            self._write(stream, flags, self._freed(slot, self.rank), seq)
+
+    def _slot_seq(self, slot: int) -> int:
+        """The message now in `slot`: the latest n <= seq with n % SLOTS == slot."""
+        return self.seq - ((self.seq - slot) % SLOTS)
+
+    def _write(self, stream: torch.cuda.Stream, flags: torch.Tensor, index: int, value: int) -> None:
+        self.driver.write_value(stream, _address(flags, index), value)
+
+
+def _address(flags: torch.Tensor, index: int) -> int:
+    return flags.data_ptr() + index * flags.element_size()

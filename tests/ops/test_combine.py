@@ -124,6 +124,19 @@ def test_combine(case, dtype, weighted, backend, device, poison_empty):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ["empty_slots", "zero_token_experts"])
+def test_combine_tokens_is_combine_of_those_tokens(case, backend, device, poison_empty):
+    # The all-gather dispatcher sums another rank's tokens first: the same bits as the whole combine's rows.
+    index, seed = make_index(case, device), case_seed(case)
+    T, N = index.inv.shape[0], index.row_slot.shape[0]
+    y = poison_rows_without_slot(randn(N, D, dtype=torch.bfloat16, device=device, seed=seed + 3), index)
+    whole = ops.combine(y, index, backend=backend)
+    for start, end in ((0, T // 3), (T // 3, T)):
+        part = ops.combine_tokens(y, index, start, end, backend=backend)
+        assert part.shape == (end - start, D) and torch.equal(part, whole[start:end]), (start, end)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gradcheck(backend, device):
     """float64 end to end (the Triton kernels compute in fp64 for fp64 data): the backward
     of each op is the true adjoint of its forward, pad rows and -1 slots included. On the rows

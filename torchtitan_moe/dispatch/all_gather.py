@@ -8,7 +8,8 @@ memory, on the GPU's copy engines: no SM is held while the experts' persistent g
 
     start_dispatch  x [T, D], experts [T, K], probs [T, K] ─all_gather─► [P T, D], [P T, K], [P T, K]
                     ─this rank's slots (ids - r E/P, -1 elsewhere)─► expert_major ─► ExpertBatch
-    start_combine   y [N, D] ─combine─► per (token of any rank) [P T, D] ─reduce_scatter─► [T, D]
+    start_combine   y [N, D] ─combine─► the other rank's tokens [T, D] ─pushed─► ... beside: ─combine─►
+                    our tokens [T, D]; every rank's sums for our tokens added in rank order ─► [T, D]
 
 Rank r's partial sum of a token is its experts' outputs summed in fp32 and rounded to bf16 (ops.combine),
 the two ranks' partials summed in fp32 in rank order and rounded once: DeepEP's combine sums the same
@@ -69,18 +70,21 @@ class _AllGather(torch.autograd.Function):
         return dx, dprobs, None, None, None
 
 
-class _ReduceScatter(torch.autograd.Function):
-    """per_row [P T, D] -> this rank's rows summed over ranks [T, D], computed outside (or replayed);
-    backward: the all-gather of the gradient (its views read by combine's backward, queued next)."""
+class _Combine(torch.autograd.Function):
+    """y [N, D] -> this rank's tokens summed over ranks [T, D] (ops.combine, then the reduce-scatter),
+    computed outside (or replayed); backward: the all-gather of the gradient, then combine's backward
+    (a gather of its rows, ops.gather_rows), queued before the transport's next call reuses the inbox."""
 
     @staticmethod
-    def forward(ctx, per_row, transport, results):
-        ctx.transport = transport
+    def forward(ctx, y, dispatcher, index, results):
+        ctx.dispatcher, ctx.index = dispatcher, index
         return results[0]
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.transport.all_gather([grad])[0], None, None
+        d = ctx.dispatcher
+        (gathered,) = d.transport.all_gather([grad])
+        return ops.gather_rows(gathered, ctx.index, backend=d.kernels), None, None, None
 
 
 class AllGatherDispatcher(ReplaysExchanges):
@@ -118,8 +122,7 @@ class AllGatherDispatcher(ReplaysExchanges):
         return _Done(batch)
 
     def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _Done:
-        per_row = ops.combine(y, batch.ctx, backend=self.kernels)  # [P T, D]: this rank's experts summed
-        return _Done(self._scatter(per_row))
+        return _Done(self._combine(y, batch.ctx))
 
     # -- the exchanges: outside torch.compile (the transport queues copies and stream waits) ----
 
@@ -138,14 +141,25 @@ class AllGatherDispatcher(ReplaysExchanges):
         return gathered_x, experts, probs
 
     @torch.compiler.disable
-    def _scatter(self, per_row: torch.Tensor) -> torch.Tensor:
+    def _combine(self, y: torch.Tensor, index: ops.RoutingIndex) -> torch.Tensor:
         if self._replaying():
             out = self._replayed()
         else:
             with torch.no_grad():
-                (out,) = self.transport.reduce_scatter([per_row.detach()])
+                out = self._sum_over_ranks(y.detach(), index)
             self._keep(out)
-        return _ReduceScatter.apply(per_row, self.transport, [out])
+        return _Combine.apply(y, self, index, [out])
+
+    def _sum_over_ranks(self, y: torch.Tensor, index: ops.RoutingIndex) -> torch.Tensor:
+        """This rank's experts' outputs summed per token (ops.combine), the other ranks' tokens first: their
+        sums travel while ours are computed; then every rank's sums for our tokens, added in rank order."""
+        tokens = index.inv.shape[0] // self.ep_size
+
+        def per_token(rank: int) -> torch.Tensor:  # [T, D]: rank's tokens, this rank's experts summed
+            return ops.combine_tokens(y, index, rank * tokens, (rank + 1) * tokens, backend=self.kernels)
+
+        pending = self.transport.start_reduce_scatter({q: [per_token(q)] for q in range(self.ep_size) if q != self.rank})
+        return pending.finish([per_token(self.rank)])[0]
 
 
 class _Done:

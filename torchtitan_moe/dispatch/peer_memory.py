@@ -73,10 +73,32 @@ class CollectiveTransport:
             out.append(sum_in_rank_order([everyone[mine] for everyone in self._gather(t)]))
         return out
 
+    def start_all_gather(self, tensors: list[torch.Tensor]) -> _Finished:
+        return _Finished(self.all_gather(tensors))
+
+    def start_reduce_scatter(self, parts: dict[int, list[torch.Tensor]]) -> _Finished:
+        def finish(own: list[torch.Tensor]) -> list[torch.Tensor]:
+            by_rank = [own if q == self.rank else parts[q] for q in range(self.size)]
+            return self.reduce_scatter([torch.cat([p[j] for p in by_rank]) for j in range(len(own))])
+        return _Finished(finish)
+
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
         return parts
+
+
+class _Finished:
+    """The halves of a call that ran whole where it was started (CollectiveTransport)."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+    def finish(self, own):
+        return self.result(own)
 
 
 def _part_rows(t: torch.Tensor, size: int) -> int:
@@ -127,7 +149,7 @@ class PeerMemoryTransport:
         self.self_stream = torch.cuda.Stream(self.device, priority=-1)  # the own part, beside them
         self.capacity = 0  # bytes of one slot
         self.seq = 0  # messages so far (the same on every rank)
-        self.unreleased: list[int] = []  # all-gathers whose views may still be read
+        self.unreleased: list[tuple[int, int]] = []  # (seq, slot) of all-gathers waited for, views maybe read
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -166,13 +188,24 @@ class PeerMemoryTransport:
             at += math.ceil(size / _ALIGN) * _ALIGN
         return offsets + [at]
 
-    # -- the two calls ------------------------------------------------------------------------
+    # -- the two calls, each in two halves ----------------------------------------------------
 
     def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.start_all_gather(tensors).wait()
+
+    def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        tensors = [t.contiguous() for t in tensors]
+        rows = [_part_rows(t, self.size) for t in tensors]
+        part = lambda q: [t[q * r:(q + 1) * r] for t, r in zip(tensors, rows)]  # noqa: E731
+        return self.start_reduce_scatter({q: part(q) for q in self.peer_inbox}).finish(part(self.rank))
+
+    def start_all_gather(self, tensors: list[torch.Tensor]) -> _Gathering:
+        """Queue the pushes of `tensors` [T, ...] to every rank (and to our own inbox); `.wait()` makes
+        the current stream wait for everyone's and returns the [P T, ...] views."""
         tensors = [t.contiguous() for t in tensors]
         part_bytes = [t.numel() * t.element_size() for t in tensors]
         offsets = self._layout([self.size * b for b in part_bytes])
-        slot = self._start(offsets[-1])
+        seq, slot = self._start(offsets[-1])
         base = slot * self.capacity
         current = torch.cuda.current_stream(self.device)
         for stream, targets in ((self.copy_stream, self.peer_inbox.items()),
@@ -184,76 +217,96 @@ class PeerMemoryTransport:
                         start = base + at + self.rank * nbytes
                         inbox[start:start + nbytes].copy_(t.view(-1).view(torch.uint8))
                     if q != self.rank:
-                        self._write(stream, self.peer_flags[q], self._ready(slot, self.rank), self.seq)
+                        self._write(stream, self.peer_flags[q], self._ready(slot, self.rank), seq)
             for t in tensors:
                 t.record_stream(stream)
-        self._arrive(slot, current)
-        self.unreleased.append(slot)
-        return [self.inbox[base + at: base + at + self.size * nbytes].view(t.dtype).view(self.size * t.shape[0],
-                                                                                            *t.shape[1:])
-                for t, at, nbytes in zip(tensors, offsets, part_bytes)]
+        views = [self.inbox[base + at: base + at + self.size * nbytes].view(t.dtype).view(self.size * t.shape[0],
+                                                                                           *t.shape[1:])
+                 for t, at, nbytes in zip(tensors, offsets, part_bytes)]
+        return _Gathering(self, seq, slot, views)
 
-    def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        tensors = [t.contiguous() for t in tensors]
-        rows = [_part_rows(t, self.size) for t in tensors]
-        part_bytes = [r * t[0].numel() * t.element_size() for t, r in zip(tensors, rows)]
+    def start_reduce_scatter(self, parts: dict[int, list[torch.Tensor]]) -> _Summing:
+        """Queue the push of parts[q] (rank q's rows of each tensor) to every other rank q; `.finish(own)`
+        waits for the others' parts for us and sums them with ours in rank order."""
+        first = parts[next(iter(parts))]
+        part_bytes = [t.numel() * t.element_size() for t in first]
         offsets = self._layout([self.size * b for b in part_bytes])
-        slot = self._start(offsets[-1])
+        seq, slot = self._start(offsets[-1])
         base = slot * self.capacity
         current = torch.cuda.current_stream(self.device)
         self.copy_stream.wait_stream(current)
         with torch.cuda.stream(self.copy_stream):
-            for q, inbox in self.peer_inbox.items():  # q's part of every tensor, to q
-                for t, r, at, nbytes in zip(tensors, rows, offsets, part_bytes):
+            for q, inbox in self.peer_inbox.items():
+                for t, at, nbytes in zip(parts[q], offsets, part_bytes):
                     start = base + at + self.rank * nbytes
-                    inbox[start:start + nbytes].copy_(t[q * r:(q + 1) * r].reshape(-1).view(torch.uint8))
-                self._write(self.copy_stream, self.peer_flags[q], self._ready(slot, self.rank), self.seq)
-        for t in tensors:
-            t.record_stream(self.copy_stream)
-        self._arrive(slot, current)
-        out = []
-        for t, r, at, nbytes in zip(tensors, rows, offsets, part_bytes):
-            parts = [t[self.rank * r:(self.rank + 1) * r] if src == self.rank else
-                     self.inbox[base + at + src * nbytes: base + at + (src + 1) * nbytes].view(t.dtype).view(r, *t.shape[1:])
-                     for src in range(self.size)]
-            out.append(sum_in_rank_order(parts))
-        self._release(slot, current)  # read by the sums just queued
-        return out
+                    inbox[start:start + nbytes].copy_(t.contiguous().view(-1).view(torch.uint8))
+                    t.record_stream(self.copy_stream)
+                self._write(self.copy_stream, self.peer_flags[q], self._ready(slot, self.rank), seq)
+        received = {src: [self.inbox[base + at + src * nbytes: base + at + (src + 1) * nbytes].view(t.dtype).view(t.shape)
+                          for t, at, nbytes in zip(first, offsets, part_bytes)] for src in self.peer_inbox}
+        return _Summing(self, seq, slot, received)
 
     # -- the handshake ------------------------------------------------------------------------
 
-    def _start(self, slot_bytes: int) -> int:
-        """The next message's slot, once earlier all-gathers' views are released and the peers have
-        released this slot's previous message (the copy stream waits for that, not the host)."""
+    def _start(self, slot_bytes: int) -> tuple[int, int]:
+        """The next message's (seq, slot), once the all-gathers waited for so far are released and the
+        peers have released this slot's previous message (the copy stream waits for that, not the host)."""
         self._ensure(slot_bytes)
         current = torch.cuda.current_stream(self.device)
-        for slot in self.unreleased:
-            self._release(slot, current)
+        for seq, slot in self.unreleased:
+            self._release(seq, slot, current)
         self.unreleased = []
         self.seq += 1
-        slot = self.seq % SLOTS
-        if self.seq > SLOTS:
+        seq, slot = self.seq, self.seq % SLOTS
+        if seq > SLOTS:
             for q in self.peer_inbox:
-                self.driver.wait_value(self.copy_stream, _address(self.flags, self._freed(slot, q)), self.seq - SLOTS)
-        return slot
+                self.driver.wait_value(self.copy_stream, _address(self.flags, self._freed(slot, q)), seq - SLOTS)
+        return seq, slot
 
-    def _arrive(self, slot: int, current: torch.cuda.Stream) -> None:
-        """The current stream waits for every peer's part of this message and for the own copies."""
+    def _arrive(self, seq: int, slot: int) -> None:
+        """The current stream waits for every peer's part of message `seq`."""
+        current = torch.cuda.current_stream(self.device)
         for q in self.peer_inbox:
-            self.driver.wait_value(current, _address(self.flags, self._ready(slot, q)), self.seq)
-        current.wait_stream(self.self_stream)  # (our pushes' sources are kept by record_stream)
+            self.driver.wait_value(current, _address(self.flags, self._ready(slot, q)), seq)
 
-    def _release(self, slot: int, stream: torch.cuda.Stream) -> None:
-        seq = self._slot_seq(slot)
-        for q, flags in self.peer_flags.items():
+    def _release(self, seq: int, slot: int, stream: torch.cuda.Stream) -> None:
+        """Tell the peers that we have read message `seq` (whatever reads it is queued on `stream`)."""
+        for flags in self.peer_flags.values():
             self._write(stream, flags, self._freed(slot, self.rank), seq)
-
-    def _slot_seq(self, slot: int) -> int:
-        """The message now in `slot`: the latest n <= seq with n % SLOTS == slot."""
-        return self.seq - ((self.seq - slot) % SLOTS)
 
     def _write(self, stream: torch.cuda.Stream, flags: torch.Tensor, index: int, value: int) -> None:
         self.driver.write_value(stream, _address(flags, index), value)
+
+
+class _Gathering:
+    """A started all-gather (PeerMemoryTransport.start_all_gather)."""
+
+    def __init__(self, transport: PeerMemoryTransport, seq: int, slot: int, views: list[torch.Tensor]):
+        self.transport, self.seq, self.slot, self.views = transport, seq, slot, views
+
+    def wait(self) -> list[torch.Tensor]:
+        """The gathered [P T, ...] views, readable on the current stream until the transport's next call."""
+        t = self.transport
+        t._arrive(self.seq, self.slot)
+        torch.cuda.current_stream(t.device).wait_stream(t.self_stream)  # our own part (our pushes' sources are kept by record_stream)
+        t.unreleased.append((self.seq, self.slot))
+        return self.views
+
+
+class _Summing:
+    """A started reduce-scatter (PeerMemoryTransport.start_reduce_scatter)."""
+
+    def __init__(self, transport: PeerMemoryTransport, seq: int, slot: int, received: dict[int, list[torch.Tensor]]):
+        self.transport, self.seq, self.slot, self.received = transport, seq, slot, received
+
+    def finish(self, own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """own: our rows of each tensor -> the sums over ranks in rank order (fp32, rounded once)."""
+        t = self.transport
+        t._arrive(self.seq, self.slot)
+        out = [sum_in_rank_order([own[j] if src == t.rank else self.received[src][j] for src in range(t.size)])
+               for j in range(len(own))]
+        t._release(self.seq, self.slot, torch.cuda.current_stream(t.device))  # read by the sums just queued
+        return out
 
 
 def _address(flags: torch.Tensor, index: int) -> int:

@@ -25,7 +25,7 @@ Deterministic: no atomics, every output element written once. Rows past num_rows
 torch and triton, so the package can be lifted into any training stack.
 """
 
-from .combine import combine, combine_reference, gather_rows, gather_rows_reference
+from .combine import combine, combine_reference, combine_tokens, gather_rows, gather_rows_reference
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .grouped_mm import grouped_mm
 from .permute import RoutingIndex, routing_index, routing_index_reference
@@ -42,6 +42,7 @@ __all__ = [
     "gather_rows_reference",
     "combine",
     "combine_reference",
+    "combine_tokens",
     "swiglu_prob",
     "swiglu_prob_reference",
     "send_plan",

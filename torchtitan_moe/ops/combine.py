@@ -203,3 +203,12 @@ def combine(y: torch.Tensor, index, probs: torch.Tensor | None = None, *, backen
     if not use_triton(backend, y):
         return combine_reference(y, index, probs)
     return _combine_triton(y, index.inv, index.row_slot, index.num_rows, probs)
+
+
+def combine_tokens(y: torch.Tensor, index, start: int, end: int, *, backend: str = "triton") -> torch.Tensor:
+    """combine(y, index)[start:end] without the other tokens' work where the kernel allows (the Triton
+    kernel reads only these tokens' inv rows; the reference combines all tokens and slices). No weights."""
+    if not use_triton(backend, y):
+        return combine(y, index, backend=backend)[start:end]
+    return combine(y, index._replace(inv=index.inv[start:end]), backend=backend)
+

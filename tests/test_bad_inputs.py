@@ -119,6 +119,10 @@ OTHERS = [
       "bfloat16", "--nproc", "2"], "[dispatch] backend = 'deepep': the deep_ep package cannot be imported"),
     (["--dispatch.backend", "deepep", "--parallelism.expert_parallel_degree", "4", "--training.mixed_precision_param",
       "bfloat16", "--nproc", "4", "--nproc-per-node", "2"], "EP would span nodes (2 processes per node)"),
+    (["--dispatch.backend", "all_gather"], "[dispatch] backend = 'all_gather' sends every token to every EP rank: "
+     "it takes [parallelism] expert_parallel_degree = 2, got 1"),
+    (["--dispatch.backend", "all_gather", "--parallelism.expert_parallel_degree", "2", "--dispatch.overlap", "chunks"],
+     "[dispatch] backend = 'all_gather' has no chunked overlap"),
     (["--dispatch.num_sms", "32", "--dispatch.backend", "all_to_all", "--parallelism.expert_parallel_degree", "2"],
      "[dispatch] num_sms = 32 sets DeepEP's SMs"),
     (["--dispatch.overlap", "chunks"], "[dispatch] overlap = 'chunks' overlaps the exchanges between EP ranks: it needs "

@@ -32,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport
+from torchtitan_moe.config import ConfigError
+from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport, PeerMemoryUnavailable
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
 from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
 
@@ -44,7 +45,12 @@ def build_transport(group: dist.ProcessGroup, device: torch.device):
     if dist.get_world_size(group) not in EP_SIZES:
         raise ValueError(f"[dispatch] backend = 'all_gather' takes EP = 2 (every token goes to every rank), got an "
                          f"EP group of {dist.get_world_size(group)}; use 'deepep' or 'all_to_all'")
-    return PeerMemoryTransport(group) if device.type == "cuda" else CollectiveTransport(group)
+    if device.type != "cuda":
+        return CollectiveTransport(group)
+    try:
+        return PeerMemoryTransport(group)
+    except PeerMemoryUnavailable as e:
+        raise ConfigError(f"[dispatch] backend = 'all_gather': {e}; use 'deepep' or 'all_to_all'") from None
 
 
 class _AllGather(torch.autograd.Function):

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import socket
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,21 @@ def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
     return acc.to(parts[0].dtype)
 
 
+def peers_problem(group: dist.ProcessGroup) -> str | None:
+    """Why the ranks of `group` cannot map each other's memory (not all on one node, or GPUs without
+    peer access between them), or None. Collective: every rank gathers every rank's host and GPU."""
+    mine = (socket.gethostname(), torch.cuda.current_device())
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    hosts = sorted({host for host, _ in everyone})
+    if len(hosts) > 1:
+        return f"the EP group spans nodes {', '.join(hosts)}; its GPUs must share one node"
+    blocked = [peer for _, peer in everyone if peer != mine[1] and not torch.cuda.can_device_access_peer(mine[1], peer)]
+    if blocked:
+        return f"GPU {mine[1]} cannot access GPU {blocked[0]} (no P2P/NVLink between them)"
+    return None
+
+
 class CollectiveTransport:
     """The same two calls on torch.distributed's all_gather: CPU runs (gloo), and the reference."""
 
@@ -63,23 +79,20 @@ class CollectiveTransport:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [torch.cat(self._gather(t)) for t in tensors]
+        return self.start_all_gather(tensors).wait()
 
     def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        out = []
-        for t in tensors:
-            rows = _part_rows(t, self.size)
-            mine = slice(self.rank * rows, (self.rank + 1) * rows)
-            out.append(sum_in_rank_order([everyone[mine] for everyone in self._gather(t)]))
-        return out
+        return _reduce_scatter(self, tensors)
 
     def start_all_gather(self, tensors: list[torch.Tensor]) -> _Finished:
-        return _Finished(self.all_gather(tensors))
+        return _Finished([torch.cat(self._gather(t)) for t in tensors])
 
     def start_reduce_scatter(self, parts: dict[int, list[torch.Tensor]]) -> _Finished:
         def finish(own: list[torch.Tensor]) -> list[torch.Tensor]:
             by_rank = [own if q == self.rank else parts[q] for q in range(self.size)]
-            return self.reduce_scatter([torch.cat([p[j] for p in by_rank]) for j in range(len(own))])
+            return [sum_in_rank_order([everyone[self.rank] for everyone in
+                                       (g.chunk(self.size) for g in self._gather(torch.cat([p[j] for p in by_rank])))])
+                    for j in range(len(own))]
         return _Finished(finish)
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -101,10 +114,18 @@ class _Finished:
         return self.result(own)
 
 
-def _part_rows(t: torch.Tensor, size: int) -> int:
-    if t.shape[0] % size:
-        raise ValueError(f"reduce_scatter: {t.shape[0]} rows do not split into {size} equal parts")
-    return t.shape[0] // size
+def _reduce_scatter(transport, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole call from its halves: rank q's rows of each tensor [P T, ...] to q, ours kept."""
+    for t in tensors:
+        if t.shape[0] % transport.size:
+            raise ValueError(f"reduce_scatter: {t.shape[0]} rows do not split into {transport.size} equal parts")
+    rows = [t.shape[0] // transport.size for t in tensors]
+
+    def part(q: int) -> list[torch.Tensor]:
+        return [t[q * r:(q + 1) * r] for t, r in zip(tensors, rows)]
+
+    peers = {q: part(q) for q in range(transport.size) if q != transport.rank}
+    return transport.start_reduce_scatter(peers).finish(part(transport.rank))
 
 
 class _Driver:
@@ -140,6 +161,9 @@ class PeerMemoryTransport:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:
             raise PeerMemoryUnavailable(f"torch.distributed._symmetric_memory cannot be imported ({e})") from None
+        problem = peers_problem(group)
+        if problem:
+            raise PeerMemoryUnavailable(problem)
         self.symm_mem = symm_mem
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
@@ -194,10 +218,7 @@ class PeerMemoryTransport:
         return self.start_all_gather(tensors).wait()
 
     def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        tensors = [t.contiguous() for t in tensors]
-        rows = [_part_rows(t, self.size) for t in tensors]
-        part = lambda q: [t[q * r:(q + 1) * r] for t, r in zip(tensors, rows)]  # noqa: E731
-        return self.start_reduce_scatter({q: part(q) for q in self.peer_inbox}).finish(part(self.rank))
+        return _reduce_scatter(self, tensors)
 
     def start_all_gather(self, tensors: list[torch.Tensor]) -> _Gathering:
         """Queue the pushes of `tensors` [T, ...] to every rank (and to our own inbox); `.wait()` makes
@@ -288,7 +309,8 @@ class _Gathering:
         """The gathered [P T, ...] views, readable on the current stream until the transport's next call."""
         t = self.transport
         t._arrive(self.seq, self.slot)
-        torch.cuda.current_stream(t.device).wait_stream(t.self_stream)  # our own part (our pushes' sources are kept by record_stream)
+        # Our own part; our pushes need no wait here (record_stream keeps their sources).
+        torch.cuda.current_stream(t.device).wait_stream(t.self_stream)
         t.unreleased.append((self.seq, self.slot))
         return self.views
 

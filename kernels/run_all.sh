@@ -6,6 +6,6 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 py=${PYTHON:-python3}
 "$py" -m pytest -q -p no:cacheprovider tests/ops tests/test_moe_layer.py 2>&1 | tail -5 | tee "$out/gpu_tests.txt"
-for bench in swiglu_prob combine permute cross_entropy moe_layer; do
+for bench in swiglu_prob combine permute cross_entropy gate moe_layer; do
     "$py" "kernels/bench_$bench.py" --json "$out/bench_$bench.json" 2>&1 | tee "$out/bench_$bench.txt"
 done

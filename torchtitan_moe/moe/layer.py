@@ -127,7 +127,7 @@ class MoE(nn.Module):
 
     def set_dispatcher(self, dispatcher) -> None:
         self.dispatcher = dispatcher
-        self.experts.kernels = dispatcher.kernels
+        self.experts.kernels = self.router.kernels = dispatcher.kernels
 
     def dispatch_settings(self, device: torch.device) -> tuple[str, int]:
         """(kernels, align) of this layer's dispatcher on `device`, from its MoEArgs."""

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from torchtitan_moe import ops
 from torchtitan_moe.moe.router_losses import (
     BALANCE_LOSSES,
     BalanceLoss,
@@ -82,6 +83,9 @@ class Router(nn.Module):
         self.topk_groups = topk_groups
         self.force_balance = force_balance
         self.gate_dtype = gate_dtype  # fp32 unless matching torchtitan's bf16 gate ([router] gate_precision)
+        # The ops' backend (set with the layer's dispatcher): "triton" computes an fp32 gate of bf16 tokens
+        # on the bf16 tensor cores (ops.gate_logits), "torch" as an fp32 GEMM.
+        self.kernels = "torch"
         # The data-parallel ranks whose tokens the global-batch loss counts (the trainer's
         # "loss" mesh, set by moe/balance.py); None: this process alone.
         self.balance_group: dist.ProcessGroup | None = None
@@ -114,7 +118,10 @@ class Router(nn.Module):
         """`forward` without the global-batch balance loss (the region torch.compile compiles)."""
         with torch.autocast(x.device.type, enabled=False):  # router math stays fp32
             dtype = self.gate_dtype
-            logits = F.linear(x.to(dtype), self.gate.weight.to(dtype)).float()
+            if dtype == torch.float32 and x.dtype == torch.bfloat16 and self.kernels == "triton":
+                logits = ops.gate_logits(x, self.gate.weight.to(torch.float32), backend=self.kernels)
+            else:
+                logits = F.linear(x.to(dtype), self.gate.weight.to(dtype)).float()
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:

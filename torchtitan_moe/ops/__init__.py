@@ -13,6 +13,7 @@
     loss  = linear_cross_entropy(h [N, D], weight [V, D], labels [N])   the output layer and its
             summed cross-entropy; the Triton path makes the gradients in the forward, in place
     dw32  = upcast(dw [*] bf16)                          the experts' weight gradients to fp32
+    logits = gate_logits(x [T, D] bf16, w [E, D] fp32)  [T, E] the router's fp32 gate on bf16 tensor cores
 
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
 torch ops). <op>.py holds the API, the argument checks, the reference and the
@@ -26,6 +27,7 @@ torch and triton, so the package can be lifted into any training stack.
 """
 
 from .combine import combine, combine_reference, combine_tokens, gather_rows, gather_rows_reference
+from .gate import gate_logits, gate_logits_reference
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .grouped_mm import grouped_mm
 from .permute import RoutingIndex, routing_index, routing_index_reference
@@ -53,5 +55,7 @@ __all__ = [
     "linear_cross_entropy_reference",
     "upcast",
     "upcast_reference",
+    "gate_logits",
+    "gate_logits_reference",
     "upcast_takes",
 ]

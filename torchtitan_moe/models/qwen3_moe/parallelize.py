@@ -99,7 +99,9 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
         param_dtype=_DTYPES[training.mixed_precision_param],
         reduce_dtype=_DTYPES[training.mixed_precision_reduce],
     )
-    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    # The router's inputs stay in the blocks' dtype: with bf16 tokens its fp32 gate runs on the bf16 tensor
+    # cores (ops.gate_logits), its fp32 math otherwise casting them itself.
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
     dp_mesh = data_parallel_mesh(parallel_dims)  # (dp_replicate,) fsdp: HSDP, FSDP, or replication only
     ep = parallel_dims.ep
     reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]

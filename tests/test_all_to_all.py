@@ -30,6 +30,17 @@ def forward_backward(layer: MoE, x: torch.Tensor, grad: torch.Tensor, use_checkp
     return out.detach(), x.grad, layer.router.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad
 
 
+def assert_matches_local(rank: int, out, ref, ref_w13: torch.Tensor, ref_w2: torch.Tensor) -> None:
+    """The EP layer's (out, grad x, grad gate, grad w13, grad w2) against the local reference's, the expert
+    gradients of this rank's experts summed over every rank's tokens."""
+    for name, got, expected in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), out,
+                                   (*ref[:3], ref_w13, ref_w2)):
+        if not expected.any():  # this rank's experts got no token (the zero gate): exact zeros
+            assert not got.any(), f"rank {rank}: {name} is not zero"
+            continue
+        assert_close_to_max(got, expected, 1e-5, f"rank {rank}: {name}")
+
+
 def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, kernels,
            buffers, failures):
     with rank_group(rank, world, port, failures):
@@ -57,12 +68,7 @@ def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_
         # The whole layer under torch.compile: the exchange is one opaque custom op in its graph.
         out = forward_backward(torch.compile(ep, backend=compiler) if compiler else ep, x, grad, use_checkpoint)
 
-        for name, got, expected in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), out,
-                                       (*ref[:3], ref_w13[mine], ref_w2[mine])):
-            if not expected.any():  # this rank's experts got no token (the zero gate): exact zeros
-                assert not got.any(), f"rank {rank}: {name} is not zero"
-                continue
-            assert_close_to_max(got, expected, 1e-5, f"rank {rank}: {name}")
+        assert_matches_local(rank, out, ref, ref_w13[mine], ref_w2[mine])
         # Forward: counts (exact buffers only), rows, meta, the way back; backward: rows, meta, the
         # way back. A checkpointed recompute replays its exchanges instead of repeating them.
         expected_calls = 7 if buffers == "exact" else 6

@@ -24,6 +24,18 @@ def exact(x, w, g):
     return x64 @ w64.t(), g64 @ w64, g64.t() @ x64, x64.abs() @ w64.abs().t(), g64.abs() @ w64.abs(), g64.abs().t() @ x64.abs()
 
 
+def check_against_float64(x, w, g, logits, dx, dw):
+    """fp32 sums (within 2^-24 x terms of the sum of |terms|); dx rounded once to bf16 (2^-8 of |dx|) with the
+    left-out terms below 2^-16 of the |terms|' sum, so nearly every element is float64's value correctly rounded
+    (a term too few would miss half of them)."""
+    (T, D), E = x.shape, w.shape[0]
+    out64, dx64, dw64, out_abs, dx_abs, dw_abs = exact(x, w, g)
+    assert ((logits.detach().double().cpu() - out64).abs() <= 2.0**-24 * D * out_abs).all()
+    assert ((dw.double().cpu() - dw64).abs() <= 2.0**-24 * T * dw_abs).all()
+    assert ((dx.double().cpu() - dx64).abs() <= 2.0**-8 * dx64.abs() + 2.0**-16 * dx_abs).all()
+    assert (dx.cpu() != dx64.to(torch.bfloat16)).float().mean() < 0.02
+
+
 def test_three_bf16_parts_sum_to_the_fp32_value():
     t = torch.randn(4096) * torch.logspace(-20, 20, 4096)
     parts = split_bf16(t, 3)
@@ -41,14 +53,7 @@ def test_gate_logits_against_float64(backend, device):
     assert logits.dtype == torch.float32 and logits.shape == (96, 16)
     dx, dw = torch.autograd.grad(logits, (x, w), g)
     assert dx.dtype == torch.bfloat16 and dw.dtype == torch.float32
-    out64, dx64, dw64, out_abs, dx_abs, dw_abs = exact(x, w, g)
-    # fp32 sums over D = 256 products: within 2^-24 x D of the sum of |products|.
-    assert ((logits.double().cpu() - out64).abs() <= 2.0**-24 * 256 * out_abs).all()
-    assert ((dw.double().cpu() - dw64).abs() <= 2.0**-24 * 96 * dw_abs).all()
-    # dx: rounded once to bf16 (2^-8 of |dx|), the left-out terms below 2^-16 of the |terms|' sum; so nearly
-    # every element is float64's value correctly rounded (a term too few would miss half of them).
-    assert ((dx.double().cpu() - dx64).abs() <= 2.0**-8 * dx64.abs() + 2.0**-16 * dx_abs).all()
-    assert (dx.cpu() != dx64.to(torch.bfloat16)).float().mean() < 0.02
+    check_against_float64(x, w, g, logits, dx, dw)
 
 
 def test_gate_logits_fast_path_tracks_the_fp32_gemm(device):
@@ -83,11 +88,7 @@ def test_gpu_router_size():
     x, w, g = inputs(16384, 2048, 128, "cuda")
     logits = ops.gate_logits(x, w)
     dx, dw = torch.autograd.grad(logits, (x, w), g)
-    out64, dx64, dw64, out_abs, dx_abs, dw_abs = exact(x, w, g)
-    assert ((logits.double().cpu() - out64).abs() <= 2.0**-24 * 2048 * out_abs).all()
-    assert ((dw.double().cpu() - dw64).abs() <= 2.0**-24 * 16384 * dw_abs).all()
-    assert ((dx.double().cpu() - dx64).abs() <= 2.0**-8 * dx64.abs() + 2.0**-16 * dx_abs).all()
-    assert (dx.cpu() != dx64.to(torch.bfloat16)).float().mean() < 0.02
+    check_against_float64(x, w, g, logits, dx, dw)
 
 
 def test_router_takes_the_fast_gate_for_bf16_tokens_compiled_too(device):

@@ -18,7 +18,7 @@ probabilities' gradients, and the reduce-scatter's the all-gather of the output'
 
 Every rank must have the same T (training's local batch x seq_len). The expert-major rows are laid out
 for P T min(K, E/P) slots, as DeepEP's and all_to_all's worst-case buffers do. At EP = P > 2 every
-token still goes to every rank, (P - 1) T rows sent where DeepEP sends about T (1 - (1 - 1/P)^K) P/(P-1):
+token would still go to every rank, where DeepEP sends it only to the ranks that hold its experts:
 this dispatcher takes EP = 2 only.
 
 On CPU (gloo) the same two calls run on torch.distributed's all_gather (CollectiveTransport).

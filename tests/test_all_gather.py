@@ -114,6 +114,18 @@ def refuses_worker(rank, world, port, failures):
             build_transport(dist.group.WORLD, torch.device("cpu"))
 
 
+def uneven_worker(rank, world, port, failures):
+    with rank_group(rank, world, port, failures):
+        layer = make_layer("none", False)
+        layer.set_dispatcher(AllGatherDispatcher(EXPERTS, build_transport(dist.group.WORLD, torch.device("cpu"))))
+        with pytest.raises(ValueError, match=r"the EP ranks have \[14, 12\] tokens in this layer"):
+            layer(torch.randn(2, 7 - rank, DIM))  # rank 1 has a shorter batch
+
+
+def test_uneven_tokens_over_ranks_are_one_error_on_every_rank():
+    run_ranks(uneven_worker, 2)
+
+
 def test_all_gather_refuses_ep_4():
     run_ranks(refuses_worker, 4)
 

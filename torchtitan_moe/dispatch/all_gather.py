@@ -109,6 +109,7 @@ class AllGatherDispatcher(ReplaysExchanges):
         self.local_experts = num_experts // self.ep_size
         self.align = align
         self.kernels = kernels
+        self.checked_tokens = 0  # the tokens per rank every rank was found to have
 
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _Done:
         if chunk:
@@ -138,6 +139,8 @@ class AllGatherDispatcher(ReplaysExchanges):
             gathered_x, experts, probs = self._replayed()
         else:
             self._first_exchange()
+            if x.shape[0] != self.checked_tokens:
+                self._check_equal_tokens(x.shape[0])
             with torch.no_grad():
                 gathered_x, experts, probs = self.transport.all_gather(
                     [x.detach(), routing.experts, routing.probs.detach().float()])
@@ -145,6 +148,17 @@ class AllGatherDispatcher(ReplaysExchanges):
                 self._keep((gathered_x.clone(), experts.clone(), probs.clone()))
         gathered_x, probs = _AllGather.apply(x, routing.probs, self.transport, [gathered_x, probs], self._kept)
         return gathered_x, experts, probs
+
+    def _check_equal_tokens(self, tokens: int) -> None:
+        """Every rank must send as many tokens as the others (the parts have one size): asked once per size
+        (a host collective), one error on every rank where they differ."""
+        everyone: list = [None] * self.ep_size
+        dist.all_gather_object(everyone, tokens, group=self.transport.group)
+        if len(set(everyone)) > 1:
+            raise ValueError(f"all_gather dispatcher: the EP ranks have {everyone} tokens in this layer; every rank "
+                             "must have as many (local_batch_size x seq_len); use [dispatch] backend = 'all_to_all' "
+                             "or 'deepep' for uneven batches")
+        self.checked_tokens = tokens
 
     @torch.compiler.disable
     def _combine(self, y: torch.Tensor, index: ops.RoutingIndex) -> torch.Tensor:

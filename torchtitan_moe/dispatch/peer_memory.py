@@ -12,6 +12,9 @@ GPU's front end waits for a flag, no kernel spins.
     reduce_scatter([t [P T, ...]])    -> [T, ...] each: sum over ranks of their part r, in rank order,
                                          in fp32, rounded once to t's dtype (DeepEP's combine sums so)
 
+Each in two halves, so that work can run while the copies do: start_all_gather(tensors).wait(), and
+start_reduce_scatter({q: rank q's parts}).finish(our parts) (our parts computed after the others' left).
+
 Every rank must make the same calls in the same order with the same shapes (equal tokens per rank).
 
 Inbox: SLOTS slots, each message (one call, all its tensors) in slot n % SLOTS, tensor j at its own
@@ -19,9 +22,9 @@ offset with one part per source rank behind another, so that a gathered tensor i
 view. Flags (int32, symmetric): ready[slot, src] = n when src's part of message n arrived, written by
 src after its copy on the same stream (the write carries a memory fence); freed[slot, dst] = n when
 dst has read its inbox slot's message n, written by dst; a sender waits for freed >= n - SLOTS
-before it overwrites that slot. An all-gather's views stay readable until the next call (whatever
-reads them is queued before it: the next call releases them, on the current stream); a
-reduce-scatter reads and releases its inbox itself.
+before it overwrites that slot. An all-gather's views stay readable until the next call started after
+its wait() (whatever reads them is queued before it: that call releases them, on the current stream);
+a reduce-scatter reads and releases its inbox itself.
 
 `CollectiveTransport` does the same with torch.distributed's all_gather (any backend: gloo on CPU),
 for CPU runs and as the reference of the tests.

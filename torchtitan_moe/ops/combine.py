@@ -211,4 +211,3 @@ def combine_tokens(y: torch.Tensor, index, start: int, end: int, *, backend: str
     if not use_triton(backend, y):
         return combine(y, index, backend=backend)[start:end]
     return combine(y, index._replace(inv=index.inv[start:end]), backend=backend)
-

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher, build_transport
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.parallel.choose import choose_dispatcher
 from torchtitan_moe.parallel.tuned import Shape
@@ -56,11 +57,9 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
     shape = run_shape(moes[0], job_config, ep, device)
     choice = choose_dispatcher(job_config, shape, group, device_sms(device))
     logger.info(f"[dispatch] {choice.reason}")
-    backend = None
+    backend = None  # what the layers' dispatchers share: DeepEP's buffer, or the all-gather's transport
     if choice.backend == "all_gather":
-        from torchtitan_moe.dispatch.all_gather import build_transport
-
-        transport = build_transport(group, device)
+        backend = build_transport(group, device)
     if choice.backend == "deepep":
         from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
         from torchtitan_moe.dispatch.deepep_backend import DeepEPV1
@@ -77,8 +76,6 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
         if choice.backend == "all_to_all":
             moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels, buffers=buffers))
         elif choice.backend == "all_gather":
-            from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher
-
-            moe.set_dispatcher(AllGatherDispatcher(moe.num_experts, transport, align=align, kernels=kernels))
+            moe.set_dispatcher(AllGatherDispatcher(moe.num_experts, backend, align=align, kernels=kernels))
         else:
             moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels, buffers=buffers))

@@ -32,7 +32,7 @@ TUNER = "python -m torchtitan_moe.tune_dispatch CONFIG"
 
 @dataclass
 class Choice:
-    backend: str  # "local", "all_to_all" or "deepep"
+    backend: str  # "local", "all_to_all", "deepep" or "all_gather"
     settings: DeepEPSettings | None  # deepep's
     reason: str  # one line for the log
 

@@ -46,6 +46,25 @@ def test_three_bf16_parts_sum_to_the_fp32_value():
     assert ((two - t.double()).abs() <= 2.0**-16 * t.double().abs()).all()
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in subtract:RuntimeWarning")  # inf - inf, on purpose
+def test_split_blocks_lays_out_split_bf16s_parts(device):
+    # The kernel's parts are split_bf16's bit for bit (inf and NaN included), in the blocks each pattern names,
+    # for a gradient-like [T, E] (two outputs) and a weight flattened to one row; sizes off the kernel's block.
+    from torchtitan_moe.ops.gate_triton import split_blocks
+
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(37, 29, generator=g) * torch.logspace(-20, 20, 37 * 29).view(37, 29)
+    t[0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("nan")])
+    parts = split_bf16(t, 3)
+    for rows in (t, t.reshape(1, -1)):
+        a, b = split_blocks(rows.to(device), (0, 0, 1), (2, 1, 0))
+        for out, pattern in ((a, (0, 0, 1)), (b, (2, 1, 0))):
+            expected = torch.cat([parts[k].reshape(rows.shape) for k in pattern], dim=1)
+            torch.testing.assert_close(out.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+    (only,) = split_blocks(t.to(device), (0, 1, 2))
+    torch.testing.assert_close(only.cpu(), torch.cat(parts, dim=1), rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_gate_logits_against_float64(backend, device):
     x, w, g = inputs(96, 256, 16, device)

@@ -14,9 +14,10 @@ significand; `split_bf16`), so fp32 products come out of bf16 GEMMs with fp32 ac
               are below 2^-17 of the largest: ~1e-6 of max|dx| against fp32's ~5e-7
     dw        [g1; g2; g3] @ x   one GEMM, M = 3E, then the three blocks summed (x exact: every product exact)
 
-On an H200 at T = 16,384 (kernels/bench_gate.py, worklogs/2026-11-27-session8-h200x2.md): forward 125 us against
-the fp32 GEMM's 234 (compiled), backward 562 us against 456: the backward is still slower (its fp32 [T, D] product
-cast to bf16 afterwards, the transposed operand of dw's GEMM: to profile). The torch reference
+The parts are made by one Triton kernel each (ops/gate_triton.py: the gradient's two layouts in one pass),
+and dx comes out of its GEMM in bf16 (no fp32 [T, D] product in memory). Piece by piece on an H200 at
+T = 16,384 (worklogs/2026-11-27-session9-h200x2.md): the torch ops' splits took 83-86 us each, mostly
+launches, the dx GEMM 48 us in bf16 against 62 + 53 us through fp32, dw's GEMM 50 us. The torch reference
 is the fp32 GEMM itself. On CPU (TRITON_INTERPRET=1, how CI runs the fast path) a bf16 GEMM with fp32
 output is emulated by an fp32 GEMM of the bf16 values: the same exact products and fp32 sums.
 """
@@ -44,11 +45,12 @@ def split_bf16(t: torch.Tensor, terms: int) -> list[torch.Tensor]:
     return parts
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """bf16 a [M, K] @ bf16 b [K, N] -> fp32 [M, N], fp32 accumulation (tensor cores on CUDA)."""
+def _mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bf16 a [M, K] @ bf16 b [K, N] -> [M, N] in out_dtype (fp32 or bf16): fp32 accumulation (tensor cores
+    on CUDA), one rounding at the end (a bf16 result is written as such: no fp32 [M, N] in memory)."""
     if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return a.float() @ b.float()
+        return torch.mm(a, b, out_dtype=torch.float32) if out_dtype == torch.float32 else torch.mm(a, b)
+    return (a.float() @ b.float()).to(out_dtype)
 
 
 def _blocks_sum(t: torch.Tensor, blocks: int, dim: int) -> torch.Tensor:
@@ -60,9 +62,16 @@ def _blocks_sum(t: torch.Tensor, blocks: int, dim: int) -> torch.Tensor:
     return out
 
 
+def _weight_blocks(w: torch.Tensor, pattern: tuple[int, int, int]) -> torch.Tensor:
+    """w [E, D] fp32 -> its bf16 parts stacked as `pattern` picks them: [3 E, D]."""
+    from .gate_triton import split_blocks
+
+    return split_blocks(w.reshape(1, -1), pattern)[0].view(3 * w.shape[0], w.shape[1])
+
+
 @custom_op("torchtitan_moe::gate_logits")
 def _gate_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return _blocks_sum(_mm(x, torch.cat(split_bf16(w, 3)).t()), 3, dim=1)
+    return _blocks_sum(_mm(x, _weight_blocks(w, (0, 1, 2)).t()), 3, dim=1)
 
 
 @_gate_logits.register_fake
@@ -75,13 +84,24 @@ def _setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(x, w)
 
 
+@custom_op("torchtitan_moe::gate_logits_backward")
+def _gate_logits_backward(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .gate_triton import split_blocks
+
+    g_dx, g_dw = split_blocks(grad.contiguous(), (0, 0, 1), (0, 1, 2))  # [g1 | g1 | g2], [g1 | g2 | g3]
+    dx = _mm(g_dx, _weight_blocks(w, (0, 1, 0)), out_dtype=x.dtype)  # @ [w1; w2; w1]
+    dw = _blocks_sum(_mm(g_dw.t(), x), 3, dim=0)
+    return dx, dw
+
+
+@_gate_logits_backward.register_fake
+def _(grad, x, w):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
 def _backward(ctx, grad: torch.Tensor):
     x, w = ctx.saved_tensors
-    g1, g2, g3 = split_bf16(grad, 3)
-    w1, w2, _ = split_bf16(w, 3)
-    dx = _mm(torch.cat([g1, g1, g2], dim=1), torch.cat([w1, w2, w1])).to(x.dtype)
-    dw = _blocks_sum(_mm(torch.cat([g1, g2, g3], dim=1).t(), x), 3, dim=0)
-    return dx, dw
+    return _gate_logits_backward(grad, x, w)
 
 
 _gate_logits.register_autograd(_backward, setup_context=_setup)

@@ -164,8 +164,6 @@ OTHERS = [
      "[optimizer] expert_grad_dtype = 'bfloat16' keeps one backward's gradients: global_batch_size = 32 accumulates 2"),
     (["--parallelism.embedding", "rows", "--parallelism.data_parallel_replicate_degree", "2"],
      "[parallelism] embedding = 'rows' shards the embedding over the FSDP ranks of one replica"),
-    (["--parallelism.fsdp_collectives", "copy_engines", "--parallelism.data_parallel_replicate_degree", "2"],
-     "[parallelism] fsdp_collectives = 'copy_engines' takes a 1-D FSDP mesh"),
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 

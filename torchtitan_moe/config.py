@@ -194,10 +194,6 @@ class Parallelism:
     forward and reduce-scatters its gradient, both exposed at the step's ends), 'rows' (each rank keeps
     its rows and the tokens and their gradients travel instead: parallel/embedding.py), or 'auto': 'rows'
     under FSDP without HSDP replicas or tied weights, else 'fsdp'. Our model only."""
-    fsdp_collectives: Literal["default", "copy_engines"] = "default"
-    """How FSDP2 moves parameters and gradients: 'default' (the process group's collectives: NCCL kernels on
-    GPUs), or 'copy_engines' (device copies into the other GPUs' memory, no SM held while a rank waits for the
-    other; one node, CUDA, a 1-D FSDP mesh: parallel/fsdp_collectives.py). Our model only."""
 
 
 @dataclass
@@ -295,8 +291,6 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(replicate >= 1, f"[parallelism] data_parallel_replicate_degree = {replicate}: must be >= 1")
     if world_size is not None:
         check_data_parallel(replicate, shard, ep, world_size)
-    _need(par.fsdp_collectives != "copy_engines" or replicate == 1, "[parallelism] fsdp_collectives = 'copy_engines' "
-          f"takes a 1-D FSDP mesh: with data_parallel_replicate_degree = {replicate} use 'default'")
     _need(par.embedding != "rows" or replicate == 1, f"[parallelism] embedding = 'rows' shards the embedding over "
           f"the FSDP ranks of one replica: with data_parallel_replicate_degree = {replicate} use 'fsdp' or 'auto'")
 

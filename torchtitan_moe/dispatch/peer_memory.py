@@ -17,11 +17,11 @@ start_reduce_scatter({q: rank q's parts}).finish(our parts) (our parts computed 
 
 Every rank must make the same calls in the same order with the same shapes (equal tokens per rank).
 
-Inbox: `slots` slots (SLOTS by default), each message (one call, all its tensors) in slot n % slots, tensor j at its own
+Inbox: SLOTS slots, each message (one call, all its tensors) in slot n % SLOTS, tensor j at its own
 offset with one part per source rank behind another, so that a gathered tensor is one [P T, ...]
 view. Flags (int32, symmetric): ready[slot, src] = n when src's part of message n arrived, written by
 src after its copy on the same stream (the write carries a memory fence); freed[slot, dst] = n when
-dst has read its inbox slot's message n, written by dst; a sender waits for freed >= n - slots
+dst has read its inbox slot's message n, written by dst; a sender waits for freed >= n - SLOTS
 before it overwrites that slot. An all-gather's views stay readable until the next call started after
 its wait() (whatever reads them is queued before it: that call releases them, on the current stream);
 a reduce-scatter reads and releases its inbox itself.
@@ -48,15 +48,15 @@ class PeerMemoryUnavailable(RuntimeError):
     """Symmetric memory or peer access is missing; the message says what and what to do instead."""
 
 
-def sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
-    """parts[0] + parts[1] + ... in fp32, rounded once to parts[0].dtype (written into `out` if given). Two
-    bf16 tensors: torch's add computes in fp32 and rounds once, the same result in one kernel."""
+def sum_in_rank_order(parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[0] + parts[1] + ... in fp32, rounded once to parts[0].dtype. Two bf16 tensors: torch's
+    add computes in fp32 and rounds once, the same result in one kernel."""
     if len(parts) == 2:
-        return torch.add(parts[0], parts[1], out=out)
+        return torch.add(parts[0], parts[1])
     acc = parts[0].float()
     for part in parts[1:]:
         acc = acc + part
-    return acc.to(parts[0].dtype) if out is None else out.copy_(acc)
+    return acc.to(parts[0].dtype)
 
 
 def peers_problem(group: dist.ProcessGroup) -> str | None:
@@ -91,19 +91,12 @@ class CollectiveTransport:
         return _Finished([torch.cat(self._gather(t)) for t in tensors])
 
     def start_reduce_scatter(self, parts: dict[int, list[torch.Tensor]]) -> _Finished:
-        def finish(own: list[torch.Tensor], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        def finish(own: list[torch.Tensor]) -> list[torch.Tensor]:
             by_rank = [own if q == self.rank else parts[q] for q in range(self.size)]
             return [sum_in_rank_order([everyone[self.rank] for everyone in
-                                       (g.chunk(self.size) for g in self._gather(torch.cat([p[j] for p in by_rank])))],
-                                      out=None if out is None else out[j])
+                                       (g.chunk(self.size) for g in self._gather(torch.cat([p[j] for p in by_rank])))])
                     for j in range(len(own))]
         return _Finished(finish)
-
-    def all_gather_into(self, out: torch.Tensor, part: torch.Tensor) -> None:
-        out.copy_(torch.cat(self._gather(part)).view_as(out))
-
-    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
-        _reduce_scatter_into(self, out, t)
 
     def _gather(self, t: torch.Tensor) -> list[torch.Tensor]:
         parts = [torch.empty_like(t) for _ in range(self.size)]
@@ -120,8 +113,8 @@ class _Finished:
     def wait(self):
         return self.result
 
-    def finish(self, own, out=None):
-        return self.result(own, out)
+    def finish(self, own):
+        return self.result(own)
 
 
 def _reduce_scatter(transport, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -136,16 +129,6 @@ def _reduce_scatter(transport, tensors: list[torch.Tensor]) -> list[torch.Tensor
 
     peers = {q: part(q) for q in range(transport.size) if q != transport.rank}
     return transport.start_reduce_scatter(peers).finish(part(transport.rank))
-
-
-def _reduce_scatter_into(transport, out: torch.Tensor, t: torch.Tensor) -> None:
-    """FSDP2's reduce-scatter: flat t [P n] -> out [n], the sum over ranks of their part `rank`, in rank order."""
-    n = out.numel()
-    if t.numel() != transport.size * n:
-        raise ValueError(f"reduce_scatter_into: {t.numel()} elements in, {n} out, over {transport.size} ranks")
-    flat = t.view(-1)
-    parts = {q: [flat[q * n:(q + 1) * n]] for q in range(transport.size) if q != transport.rank}
-    transport.start_reduce_scatter(parts).finish([flat[transport.rank * n:(transport.rank + 1) * n]], out=[out.view(-1)])
 
 
 class _Driver:
@@ -176,7 +159,7 @@ class PeerMemoryTransport:
     The inbox is sized by the first call (or a larger later one: then every rank waits for its
     streams and they all allocate anew, collectively)."""
 
-    def __init__(self, group: dist.ProcessGroup, slots: int = SLOTS):
+    def __init__(self, group: dist.ProcessGroup):
         try:
             import torch.distributed._symmetric_memory as symm_mem
         except ImportError as e:
@@ -188,7 +171,6 @@ class PeerMemoryTransport:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.device = torch.device("cuda", torch.cuda.current_device())
-        self.slots = slots
         self.driver = _Driver()
         self.copy_stream = torch.cuda.Stream(self.device, priority=-1)  # pushes to the peers
         self.self_stream = torch.cuda.Stream(self.device, priority=-1)  # the own part, beside them
@@ -206,14 +188,14 @@ class PeerMemoryTransport:
             dist.barrier(group=self.group)
         capacity = math.ceil(slot_bytes / _ALIGN) * _ALIGN
         sm = self.symm_mem
-        inbox = sm.empty(self.slots * capacity, dtype=torch.uint8, device=self.device)
-        flags = sm.empty(2 * self.slots * self.size, dtype=torch.int32, device=self.device).zero_()
+        inbox = sm.empty(SLOTS * capacity, dtype=torch.uint8, device=self.device)
+        flags = sm.empty(2 * SLOTS * self.size, dtype=torch.int32, device=self.device).zero_()
         name = self.group.group_name
         inbox_handle, flags_handle = sm.rendezvous(inbox, name), sm.rendezvous(flags, name)
         self.inbox, self.flags = inbox, flags
-        self.peer_inbox = {q: inbox_handle.get_buffer(q, (self.slots * capacity,), torch.uint8)
+        self.peer_inbox = {q: inbox_handle.get_buffer(q, (SLOTS * capacity,), torch.uint8)
                            for q in range(self.size) if q != self.rank}
-        self.peer_flags = {q: flags_handle.get_buffer(q, (2 * self.slots * self.size,), torch.int32)
+        self.peer_flags = {q: flags_handle.get_buffer(q, (2 * SLOTS * self.size,), torch.int32)
                            for q in range(self.size) if q != self.rank}
         self.capacity, self.seq, self.unreleased = capacity, 0, []
         torch.cuda.synchronize(self.device)
@@ -223,7 +205,7 @@ class PeerMemoryTransport:
         return slot * self.size + src
 
     def _freed(self, slot: int, dst: int) -> int:
-        return self.slots * self.size + slot * self.size + dst
+        return SLOTS * self.size + slot * self.size + dst
 
     @staticmethod
     def _layout(sizes: list[int]) -> list[int]:
@@ -267,32 +249,6 @@ class PeerMemoryTransport:
                  for t, at, nbytes in zip(tensors, offsets, part_bytes)]
         return _Gathering(self, seq, slot, views)
 
-    def all_gather_into(self, out: torch.Tensor, part: torch.Tensor) -> None:
-        """FSDP2's all-gather: flat out [P n] gets rank r's part [n] at [r n, (r + 1) n); ours is already there
-        (FSDP2 copies it in: `part` is that view). The others' parts land in the inbox and are copied into
-        `out` on the current stream, which then releases the slot: nothing is left to release later."""
-        nbytes = part.numel() * part.element_size()
-        offsets = self._layout([self.size * nbytes])
-        seq, slot = self._start(offsets[-1])
-        base = slot * self.capacity
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            for q, inbox in self.peer_inbox.items():
-                start = base + self.rank * nbytes
-                inbox[start:start + nbytes].copy_(part.view(-1).view(torch.uint8))
-                self._write(self.copy_stream, self.peer_flags[q], self._ready(slot, self.rank), seq)
-        part.record_stream(self.copy_stream)
-        self._arrive(seq, slot)
-        flat = out.view(-1).view(torch.uint8)
-        for src in self.peer_inbox:
-            flat[src * nbytes:(src + 1) * nbytes].copy_(self.inbox[base + src * nbytes:base + (src + 1) * nbytes])
-        self._release(seq, slot, torch.cuda.current_stream(self.device))
-
-    def reduce_scatter_into(self, out: torch.Tensor, t: torch.Tensor) -> None:
-        """FSDP2's reduce-scatter: flat t [P n] -> out [n] = the sum over ranks of their part `rank`, in rank
-        order (fp32 sums: NCCL's for two ranks, bit for bit)."""
-        _reduce_scatter_into(self, out, t)
-
     def start_reduce_scatter(self, parts: dict[int, list[torch.Tensor]]) -> _Summing:
         """Queue the push of parts[q] (rank q's rows of each tensor) to every other rank q; `.finish(own)`
         waits for the others' parts for us and sums them with ours in rank order."""
@@ -325,10 +281,10 @@ class PeerMemoryTransport:
             self._release(seq, slot, current)
         self.unreleased = []
         self.seq += 1
-        seq, slot = self.seq, self.seq % self.slots
-        if seq > self.slots:
+        seq, slot = self.seq, self.seq % SLOTS
+        if seq > SLOTS:
             for q in self.peer_inbox:
-                self.driver.wait_value(self.copy_stream, _address(self.flags, self._freed(slot, q)), seq - self.slots)
+                self.driver.wait_value(self.copy_stream, _address(self.flags, self._freed(slot, q)), seq - SLOTS)
         return seq, slot
 
     def _arrive(self, seq: int, slot: int) -> None:
@@ -368,13 +324,11 @@ class _Summing:
     def __init__(self, transport: PeerMemoryTransport, seq: int, slot: int, received: dict[int, list[torch.Tensor]]):
         self.transport, self.seq, self.slot, self.received = transport, seq, slot, received
 
-    def finish(self, own: list[torch.Tensor], out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """own: our rows of each tensor -> the sums over ranks in rank order (fp32, rounded once), written into
-        `out` where given."""
+    def finish(self, own: list[torch.Tensor]) -> list[torch.Tensor]:
+        """own: our rows of each tensor -> the sums over ranks in rank order (fp32, rounded once)."""
         t = self.transport
         t._arrive(self.seq, self.slot)
-        out = [sum_in_rank_order([own[j] if src == t.rank else self.received[src][j] for src in range(t.size)],
-                                 out=None if out is None else out[j])
+        out = [sum_in_rank_order([own[j] if src == t.rank else self.received[src][j] for src in range(t.size)])
                for j in range(len(own))]
         t._release(self.seq, self.slot, torch.cuda.current_stream(t.device))  # read by the sums just queued
         return out

@@ -21,7 +21,6 @@ from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import refresh_working_copies
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.parallel.embedding import shard_embedding_rows
-from torchtitan_moe.parallel.fsdp_collectives import use_copy_engines
 from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -137,13 +136,9 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
     use_sum_reductions(model)
-    if job_config.parallelism.fsdp_collectives == "copy_engines":
-        use_copy_engines(model, dp_mesh)
     logger.info(f"Applied FSDP2 over {list(dp_mesh.mesh_dim_names)} {tuple(dp_mesh.shape)}, EP = {ep}"
                 + (", experts outside FSDP2 (one rank per expert shard)" if unsharded_experts else "")
-                + (", the embedding sharded by rows" if outside_fsdp else "")
-                + (", its collectives on the copy engines" if job_config.parallelism.fsdp_collectives == "copy_engines"
-                   else ""))
+                + (", the embedding sharded by rows" if outside_fsdp else ""))
 
 
 def embedding_by_rows(setting: str, model: nn.Module, dp_mesh) -> bool:

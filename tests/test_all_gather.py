@@ -42,9 +42,10 @@ def worker(rank, world, port, padding, zero_gate, use_checkpoint, compiler, kern
         out = forward_backward(torch.compile(ep, backend=compiler) if compiler else ep, x, grad, use_checkpoint)
 
         assert_matches_local(rank, out, ref, ref_w13[mine], ref_w2[mine])
-        # Forward: the tokens' all-gather and the partial sums' reduce-scatter; backward: their adjoints.
-        # A checkpointed recompute replays its two instead of repeating them.
-        assert calls == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter"], calls
+        # Forward: the tokens' all-gather (sent before the router), the routing's, and the partial sums'
+        # reduce-scatter; backward: the adjoints of the first and last. A checkpointed recompute replays its
+        # three instead of repeating them.
+        assert calls == ["all_gather", "all_gather", "reduce_scatter", "all_gather", "reduce_scatter"], calls
         assert not dispatcher._kept
 
 
@@ -120,6 +121,24 @@ def uneven_worker(rank, world, port, failures):
         layer.set_dispatcher(AllGatherDispatcher(EXPERTS, build_transport(dist.group.WORLD, torch.device("cpu"))))
         with pytest.raises(ValueError, match=r"the EP ranks have \[14, 12\] tokens in this layer"):
             layer(torch.randn(2, 7 - rank, DIM))  # rank 1 has a shorter batch
+
+
+def other_tokens_worker(rank, world, port, failures):
+    with rank_group(rank, world, port, failures):
+        layer = make_layer("none", False)
+        dispatcher = AllGatherDispatcher(EXPERTS, build_transport(dist.group.WORLD, torch.device("cpu")))
+        tokens = torch.randn(14, DIM)
+        routing = layer.router(tokens)
+        dispatcher.send_tokens(tokens)
+        with pytest.raises(RuntimeError, match="other tokens than send_tokens sent"):
+            dispatcher.start_dispatch(tokens.clone(), routing)
+        # Without send_tokens (tune_dispatch, the benchmarks) start_dispatch sends the tokens itself.
+        batch = dispatcher.start_dispatch(tokens, routing).wait()
+        assert int(batch.num_rows) >= int(batch.tokens_per_expert.sum()) > 0
+
+
+def test_start_dispatch_takes_the_tokens_send_tokens_sent():
+    run_ranks(other_tokens_worker, 2)
 
 
 def test_uneven_tokens_over_ranks_are_one_error_on_every_rank():

@@ -1,6 +1,7 @@
 """The seam between the MoE layer (moe/) and the dispatchers (dispatch/): the types both speak.
 
-    routing = router(x [T, D])                          # Routing
+    dispatcher.send_tokens(x [T, D])                    # may start moving x before its routing exists
+    routing = router(x)                                 # Routing
     batch   = dispatcher.start_dispatch(x, routing).wait()  # ExpertBatch, rows expert-major, padded
     y       = experts(batch)                            # [N, D], probabilities already applied
     out     = dispatcher.start_combine(y, batch).wait() # [T, D], sum over each token's experts
@@ -86,6 +87,11 @@ class Pending(Protocol[T]):
 class Dispatcher(Protocol):
     kernels: str  # "torch" or "triton": the ops backend, also the experts'
 
+    # Called with the tokens before the router runs, then start_dispatch with the same tensor: a dispatcher
+    # that sends every token whatever its experts (all_gather) starts sending here, under the router.
+    # A no-op for the others, whose sends depend on the routing.
+    def send_tokens(self, x: torch.Tensor) -> None: ...
+
     # chunk: this dispatch's place among the layer forward's dispatches (the chunked schedule,
     # moe/chunks.py, makes 2): what an earlier forward kept for a recompute is dropped at chunk 0 only.
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Pending[ExpertBatch]: ...
@@ -166,6 +172,9 @@ class LocalDispatcher:
         self.num_experts = num_experts
         self.align = align
         self.kernels = kernels
+
+    def send_tokens(self, x: torch.Tensor) -> None:
+        pass  # nothing travels
 
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Done[ExpertBatch]:
         batch, index = expert_major(x, routing.experts, routing.probs, self.num_experts, self.align, self.kernels)

@@ -156,6 +156,9 @@ class AllToAllDispatcher(ReplaysExchanges):
 
     # -- the dispatcher seam ------------------------------------------------------------------
 
+    def send_tokens(self, x: torch.Tensor) -> None:
+        pass  # which rows go where is the routing's
+
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _PendingDispatch:
         experts, probs = routing.experts, routing.probs
         num_tokens, top_k = experts.shape

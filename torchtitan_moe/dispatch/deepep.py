@@ -106,6 +106,9 @@ class DeepEPDispatcher(ReplaysExchanges):
         self.kernels = kernels
         self.buffers = buffers
 
+    def send_tokens(self, x: torch.Tensor) -> None:
+        pass  # DeepEP's dispatch sends by the routing
+
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _PendingDispatch:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: tokens must be bfloat16 (DeepEP combines bf16 rows), got {x.dtype}; "

@@ -3,6 +3,8 @@
     x [B, S, D] ─► router ─► Routing ─► dispatcher.start_dispatch ... .wait() ─► ExpertBatch ─► experts ─► y
                                          dispatcher.start_combine(y) ... .wait() ─► out [B, S, D]
 
+(dispatcher.send_tokens(x) comes first: all_gather starts moving the tokens under the router.)
+
 The dispatcher speaks the seam (torchtitan_moe/seam.py); which one a layer gets is decided above
 this package (parallelization); a layer used on its own gets the seam's LocalDispatcher. With
 `overlap = "chunks"` ([dispatch] overlap) the tokens after the router go through in two chunks,
@@ -144,6 +146,11 @@ class MoE(nn.Module):
             self.set_dispatcher(self.local_dispatcher(x.device))
         batch_size, seq_len, dim = x.shape
         tokens = x.reshape(-1, dim)
+        # Under autocast the rows travel in its dtype, the experts' (half the bytes of fp32). Not
+        # the weights' dtype: under FSDP2 they are still sharded fp32 here, unsharded in experts().
+        dtype = autocast_dtype(tokens.device)
+        rows = tokens if dtype is None else tokens.to(dtype)
+        self.dispatcher.send_tokens(rows)  # all_gather: the rows travel while the router runs
         routing = self.router(tokens, seq_len=seq_len)
         if self.training and not recomputing():  # count each real forward once
             with torch.no_grad():
@@ -152,10 +159,6 @@ class MoE(nn.Module):
                     if loss is not None:
                         self.router_loss_sums[i] += loss.detach()
 
-        # Under autocast the rows travel in its dtype, the experts' (half the bytes of fp32). Not
-        # the weights' dtype: under FSDP2 they are still sharded fp32 here, unsharded in experts().
-        dtype = autocast_dtype(tokens.device)
-        rows = tokens if dtype is None else tokens.to(dtype)
         if self.overlap == "chunks":  # two chunks, one's exchange under the other's experts (moe/chunks.py)
             out = chunked_forward(self.dispatcher, self.experts, rows, routing)
         else:

@@ -286,11 +286,11 @@ def test_tune_dispatch_writes_an_entry_that_auto_reads_and_the_bench_runs(tmp_pa
                       "--num-sms", "2,4", "--dispatch-chunks", "4", "--combine-chunks", "2", "--warmup", "1",
                       "--iters", "2", "--training.local_batch_size", "2", env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "| deepep | 4 |" in result.stdout and "13/13" in result.stderr
-    assert "faster by (b) head to head, in turn:" in result.stdout
+    assert "| deepep | 4 |" in result.stdout and "| all_gather | - |" in result.stdout and "15/15" in result.stderr
+    assert "fastest by (b) head to head, in turn:" in result.stdout
     (index, entry), = [tuned.match(tuned.load(str(out)), tuned.Shape("cpu", 2, 128, 2, 8, 256))]
-    assert entry.best in ("deepep", "all_to_all") and entry.deepep.num_sms in (2, 4)
-    assert set(entry.layer_ms) == {"deepep", "all_to_all"}
+    assert entry.best in ("deepep", "all_to_all", "all_gather") and entry.deepep.num_sms in (2, 4)
+    assert set(entry.layer_ms) == set(entry.dispatch_combine_ms) == {"deepep", "all_to_all", "all_gather"}
     assert entry.best == min(entry.layer_ms, key=entry.layer_ms.get)  # the head-to-head times decide
 
     result = torchrun("kernels/bench_dispatch.py", "--ep", "2", "--tokens", "256", "--dim", "128", "--experts", "8",

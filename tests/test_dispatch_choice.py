@@ -23,10 +23,11 @@ from test_deepep import load_fake_deep_ep
 SHAPE = tuned.Shape("NVIDIA H200", 2, 2048, 8, 128, 8192)
 
 
-def entry(best="deepep", tokens=8192, num_sms=64, gpu="NVIDIA H200") -> dict:
+def entry(best="deepep", tokens=8192, num_sms=64, gpu="NVIDIA H200", all_gather_ms=None) -> dict:
+    layer_ms = {"deepep": 9.5, "all_to_all": 12.0} | ({"all_gather": all_gather_ms} if all_gather_ms else {})
     return {"gpu": gpu, "ep": 2, "hidden": 2048, "top_k": 8, "experts": 128, "tokens_per_rank": tokens, "best": best,
             "deepep": {"num_sms": num_sms, "dispatch_chunk": 16, "combine_chunk": 8, "buffer_tokens": 256},
-            "layer_ms": {"deepep": 9.5, "all_to_all": 12.0}, "dispatch_combine_ms": {"deepep": 0.8, "all_to_all": 2.9}}
+            "layer_ms": layer_ms, "dispatch_combine_ms": {"deepep": 0.8, "all_to_all": 2.9}}
 
 
 def write_tuned(tmp_path: Path, *entries: dict, version=1) -> str:
@@ -35,8 +36,8 @@ def write_tuned(tmp_path: Path, *entries: dict, version=1) -> str:
     return str(path)
 
 
-def cfg(backend="auto", tuned_file="", num_sms=0, precision="bfloat16"):
-    return SimpleNamespace(dispatch=SimpleNamespace(backend=backend, tuned_file=tuned_file, num_sms=num_sms),
+def cfg(backend="auto", tuned_file="", num_sms=0, precision="bfloat16", overlap="none"):
+    return SimpleNamespace(dispatch=SimpleNamespace(backend=backend, tuned_file=tuned_file, num_sms=num_sms, overlap=overlap),
                            training=SimpleNamespace(mixed_precision_param=precision))
 
 
@@ -196,6 +197,29 @@ def test_auto_picks_from_the_tuned_table_and_says_why(tmp_path, fake_deep_ep):
 
     choice = choose_dispatcher(cfg("auto"), tuned.Shape("cpu", 1, 128, 2, 8, 1024), None, None)
     assert (choice.backend, choice.reason) == ("local", "local (EP = 1)")
+
+
+def test_auto_picks_all_gather_where_it_is_the_fastest_and_this_run_can_use_it(tmp_path, fake_deep_ep, monkeypatch):
+    path = write_tuned(tmp_path, entry(best="all_gather", all_gather_ms=9.0))
+    choice = choose_dispatcher(cfg("auto", path), SHAPE, None, None)
+    assert (choice.backend, choice.settings) == ("all_gather", None)
+    assert choice.reason.startswith("auto: all_gather, the fastest in") and "all_gather 9.00 ms" in choice.reason
+    # Where it cannot run, the faster of the two others, saying why.
+    choice = choose_dispatcher(cfg("auto", path, overlap="chunks"), SHAPE, None, None)
+    assert choice.backend == "deepep" and choice.reason.startswith(
+        "auto: all_gather is the fastest there, but it has no [dispatch] overlap = 'chunks'; deepep, faster in")
+    monkeypatch.setattr(choose, "peers_problem", lambda group: "GPU 0 cannot access GPU 1 (no P2P/NVLink between them)")
+    choice = choose_dispatcher(cfg("auto", path), SHAPE, object(), 132)  # a GPU run: the peers are asked
+    assert choice.backend == "deepep" and "but GPU 0 cannot access GPU 1" in choice.reason
+    slower = write_tuned(tmp_path, entry(best="all_gather", all_gather_ms=9.0) | {"layer_ms": {
+        "deepep": 13.0, "all_to_all": 12.0, "all_gather": 9.0}})
+    choice = choose_dispatcher(cfg("auto", slower, overlap="chunks"), SHAPE, None, None)
+    assert choice.backend == "all_to_all" and "all_to_all, faster than deepep in" in choice.reason
+
+
+def test_an_entry_whose_best_has_no_time_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"best = 'all_gather' has no time in layer_ms \(deepep, all_to_all\)"):
+        choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry(best="all_gather"))), SHAPE, None, 132)
 
 
 def test_auto_keeps_all_to_all_where_deepep_cannot_run(tmp_path, no_deep_ep):

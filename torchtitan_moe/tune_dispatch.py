@@ -4,16 +4,16 @@
         [--out FILE] [--json FILE] [--num-sms 16,24,...] [--dispatch-chunks ...] [--combine-chunks ...]
 
 EP = N (2, 4 or 8: one process per GPU). For the config's hidden size, experts, top-k and tokens
-per rank (local_batch_size x seq_len) it measures, for the all-to-all dispatcher and for DeepEP
-at each num_sms (a fresh DeepEP buffer per value):
+per rank (local_batch_size x seq_len) it measures, for the all-to-all dispatcher, the all-gather
+dispatcher (EP = 2) and DeepEP at each num_sms (a fresh DeepEP buffer per value):
   (a) dispatch + combine, forward + backward, through the dispatcher API (no expert GEMMs);
       for DeepEP this picks the dispatch chunk size, then the combine chunk size;
   (b) the MoE layer forward + backward (router, dispatch, grouped experts, combine).
-Then (b) again for all_to_all and the DeepEP settings with the fastest (b), head to head: their
+Then (b) again for all_to_all, all_gather and the DeepEP settings with the fastest (b), head to head: their
 runs taken in turn (timed_interleaved), since the sweep measured them minutes apart and a
 host-bound path drifts with the host by tens of percent within one call. It prints the table and
 writes into the tuned file (--out, default [dispatch] tuned_file) those DeepEP settings and which
-dispatcher was faster head to head; `[dispatch] backend = "deepep"` takes those settings and
+dispatcher was fastest head to head; `[dispatch] backend = "deepep"` takes those settings and
 `"auto"` that choice. Times are medians over --iters runs after --warmup, each run started on all
 ranks together (a barrier), timed with CUDA events, the slowest rank's median.
 """
@@ -36,6 +36,7 @@ from torch import nn
 
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.parallel import tuned
+from torchtitan_moe.dispatch.all_gather import EP_SIZES as ALL_GATHER_EP_SIZES, AllGatherDispatcher, build_transport
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
@@ -168,6 +169,7 @@ class Sweep:
         self.routing = Routing(r.probs.detach().requires_grad_(), r.experts, r.tokens_per_expert, r.scores, None)
         self.kernels, self.align = layer.dispatch_settings(x.device)
         self.rows: list[dict] = []  # every measurement
+        self.transport = None  # the all-gather dispatcher's, made on first use
 
     def _time(self, fn, label: str) -> float:
         ms = timed_ms(fn, self.group, self.args.warmup, self.args.iters)
@@ -198,14 +200,20 @@ class Sweep:
     def all_to_all_dispatcher(self) -> AllToAllDispatcher:
         return AllToAllDispatcher(self.layer.num_experts, self.group, align=self.align, kernels=self.kernels)
 
+    def all_gather_dispatcher(self) -> AllGatherDispatcher:
+        if self.transport is None:
+            self.transport = build_transport(self.group, self.x.device)
+        return AllGatherDispatcher(self.layer.num_experts, self.transport, align=self.align, kernels=self.kernels)
+
     def deepep_dispatcher(self, settings: DeepEPSettings) -> DeepEPDispatcher:
         backend = DeepEPV1(self.group, settings, self.x.shape[1])
         return DeepEPDispatcher(self.layer.num_experts, backend, self.align, self.kernels)
 
-    def all_to_all(self) -> dict:
-        d = self.all_to_all_dispatcher()
-        row = {"dispatcher": "all_to_all", "dispatch_combine_ms": self.dispatch_combine_ms(d, "all_to_all (a)"),
-               "layer_ms": self.layer_ms(d, "all_to_all (b)")}
+    def fixed(self, name: str) -> dict:
+        """(a) and (b) of a dispatcher with nothing to tune: all_to_all, all_gather."""
+        d = self.all_to_all_dispatcher() if name == "all_to_all" else self.all_gather_dispatcher()
+        row = {"dispatcher": name, "dispatch_combine_ms": self.dispatch_combine_ms(d, f"{name} (a)"),
+               "layer_ms": self.layer_ms(d, f"{name} (b)")}
         self.rows.append(row)
         return row
 
@@ -230,31 +238,37 @@ class Sweep:
         self.rows.append({**{k: v for k, v in row.items() if k != "settings"}, **best.__dict__})
         return row
 
-    def head_to_head(self, best: DeepEPSettings) -> dict[str, float]:
-        """(b) of all_to_all and of DeepEP with `best`, their runs taken in turn."""
+    def head_to_head(self, best: DeepEPSettings, all_gather: bool) -> dict[str, float]:
+        """(b) of all_to_all, all_gather (if asked) and DeepEP with `best`, their runs taken in turn."""
         release_buffers(self.group)  # `best` may have another num_sms than the last buffer
         steps = {"all_to_all": self.layer_step(self.all_to_all_dispatcher()),
                  "deepep": self.layer_step(self.deepep_dispatcher(best))}
+        if all_gather:
+            steps["all_gather"] = self.layer_step(self.all_gather_dispatcher())
         ms = timed_interleaved(steps, self.group, self.args.warmup, self.args.iters)
         self.rows.append({"dispatcher": "head to head", **{f"{name}_layer_ms": v for name, v in ms.items()}})
-        self.progress.step("all_to_all against the best DeepEP (b), in turn")
+        self.progress.step(f"{', '.join(steps)} (b), in turn")
         return ms
 
 
-def report(shape: tuned.Shape, a2a: dict, deepep: list[dict], best: dict, final: dict[str, float], path: str) -> str:
+def report(shape: tuned.Shape, fixed: dict[str, dict], deepep: list[dict], best: dict, final: dict[str, float],
+           path: str) -> str:
+    a2a = fixed["all_to_all"]
     lines = [f"dispatch tuning: {shape.describe()}, bf16",
              "(a) dispatch + combine, forward + backward, through the dispatcher; (b) MoE layer forward + backward",
              "| dispatcher | num_sms | dispatch chunk | combine chunk | (a) ms | (b) ms | (b) all_to_all / this |",
-             "|---|---|---|---|---|---|---|",
-             f"| all_to_all | - | - | - | {a2a['dispatch_combine_ms']:.3f} | {a2a['layer_ms']:.3f} | 1.00x |"]
+             "|---|---|---|---|---|---|---|"]
+    for name, row in fixed.items():
+        lines.append(f"| {name} | - | - | - | {row['dispatch_combine_ms']:.3f} | {row['layer_ms']:.3f} | "
+                     f"{a2a['layer_ms'] / row['layer_ms']:.2f}x |")
     for row in deepep:
         s = row["settings"]
         lines.append(f"| deepep | {s.num_sms} | {s.dispatch_chunk} | {s.combine_chunk} | {row['dispatch_combine_ms']:.3f} "
                      f"| {row['layer_ms']:.3f} | {a2a['layer_ms'] / row['layer_ms']:.2f}x |")
     s = best["settings"]
-    winner = "deepep" if final["deepep"] < final["all_to_all"] else "all_to_all"
-    lines.append(f"faster by (b) head to head, in turn: {winner}; best DeepEP: {s.describe()}, MoE layer "
-                 f"{final['deepep']:.3f} ms vs all_to_all {final['all_to_all']:.3f} ms; wrote {path}")
+    others = " vs ".join(f"{name} {ms:.3f} ms" for name, ms in final.items() if name != "deepep")
+    lines.append(f"fastest by (b) head to head, in turn: {min(final, key=final.get)}; best DeepEP: {s.describe()}, "
+                 f"MoE layer {final['deepep']:.3f} ms vs {others}; wrote {path}")
     return "\n".join(lines)
 
 
@@ -292,15 +306,16 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
                               f"the GPU's {device_sms} SMs")
         per_sms = len(set(args.dispatch_chunks) | {default_settings(ep).dispatch_chunk}) + \
             len(set(args.combine_chunks) | {default_settings(ep).combine_chunk}) + 1
-        progress = Progress(3 + len(num_sms) * per_sms, enabled=rank == 0)
+        all_gather = ep in ALL_GATHER_EP_SIZES
+        progress = Progress(3 + 2 * all_gather + len(num_sms) * per_sms, enabled=rank == 0)
         torch.manual_seed(1000 + rank)  # other tokens on every rank
         x = torch.randn(tokens, model_args.dim, device=device, dtype=torch.bfloat16)
         sweep = Sweep(layer, x, group, args, progress)
 
-        a2a = sweep.all_to_all()
+        fixed = {name: sweep.fixed(name) for name in ("all_to_all", "all_gather")[:1 + all_gather]}
         deepep = [sweep.deepep(n) for n in num_sms]
         best = min(deepep, key=lambda row: row["layer_ms"])
-        final = sweep.head_to_head(best["settings"])
+        final = sweep.head_to_head(best["settings"], all_gather)
         path = args.out or config.dispatch.tuned_file or "tuned_dispatch.json"
         if rank == 0:
             try:
@@ -308,14 +323,14 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
             except importlib.metadata.PackageNotFoundError:
                 version = "unknown"
             entry = tuned.TunedEntry(
-                shape, "deepep" if final["deepep"] < final["all_to_all"] else "all_to_all", best["settings"],
+                shape, min(final, key=final.get), best["settings"],
                 layer_ms={name: round(ms, 4) for name, ms in final.items()},
                 dispatch_combine_ms={"deepep": round(best["dispatch_combine_ms"], 4),
-                                     "all_to_all": round(a2a["dispatch_combine_ms"], 4)},
+                                     **{name: round(row["dispatch_combine_ms"], 4) for name, row in fixed.items()}},
                 extra={"deep_ep_version": version, "deep_ep_pinned": DEEPEP_COMMIT, "torch": torch.__version__,
                        "date": datetime.date.today().isoformat()})
             tuned.save(path, entry)
-            print(report(shape, a2a, deepep, best, final, path), flush=True)
+            print(report(shape, fixed, deepep, best, final, path), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"shape": shape.__dict__, "entry": entry.to_json(), "rows": sweep.rows}, f, indent=1,

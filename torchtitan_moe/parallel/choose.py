@@ -5,19 +5,23 @@
                         DeepEP's defaults (24 SMs); [dispatch] num_sms overrides the SM count.
                         A node that cannot run it (no deep_ep, EP across nodes, no peer access)
                         is an error, before step 1.
-    auto                EP = 1: local. EP > 1: the faster dispatcher of the tuned entry that matches
-                        the run, deepep only where this run can use it; all_to_all without one.
+    auto                EP = 1: local. EP > 1: the fastest dispatcher of the tuned entry that matches
+                        the run, deepep or all_gather only where this run can use it (else the faster of
+                        the others); all_to_all without one.
 A tuned file that does not parse, or names more SMs than the GPU has, is an error either way.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.parallel import tuned
+from torchtitan_moe.dispatch.all_gather import EP_SIZES
+from torchtitan_moe.dispatch.peer_memory import peers_problem
 from torchtitan_moe.dispatch.deepep_backend import (
     DeepEPSettings,
     DeepEPUnavailable,
@@ -96,8 +100,16 @@ def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, 
         return Choice("all_to_all", None, f"auto: all_to_all, no tuned entry for {shape.describe()} in {path} "
                                           f"(measure with {TUNER})")
     where = f"{path} for {entry.shape.describe()} ({_timings(entry)})"
-    if entry.best == "all_to_all":
-        return Choice("all_to_all", None, f"auto: all_to_all, faster than deepep in {where}")
+    best, passed_over = entry.best, ""
+    if best == "all_gather":
+        blocker = _all_gather_blocker(cfg, shape, group, device_sms)
+        if blocker is None:
+            return Choice("all_gather", None, f"auto: all_gather, the fastest in {where}")
+        passed_over = f"all_gather is the fastest there, but {blocker}; "
+        ms = entry.layer_ms
+        best = "deepep" if ms.get("deepep", math.inf) < ms.get("all_to_all", math.inf) else "all_to_all"
+    if best == "all_to_all":
+        return Choice("all_to_all", None, f"auto: {passed_over}all_to_all, faster than deepep in {where}")
     if cfg.training.mixed_precision_param != "bfloat16":
         blocker = "DeepEP needs [training] mixed_precision_param = 'bfloat16'"
     else:
@@ -107,6 +119,17 @@ def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, 
         except DeepEPUnavailable as e:
             blocker = str(e)
     if blocker:
-        return Choice("all_to_all", None, f"auto: all_to_all; deepep is faster in {where}, but {blocker}")
+        return Choice("all_to_all", None, f"auto: {passed_over}all_to_all; deepep is faster in {where}, but {blocker}")
     settings, why = _deepep_settings(cfg, shape, entry, path, device_sms)
-    return Choice("deepep", settings, f"auto: deepep, faster in {where}; {why}")
+    return Choice("deepep", settings, f"auto: {passed_over}deepep, faster in {where}; {why}")
+
+
+def _all_gather_blocker(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, device_sms: int | None) -> str | None:
+    """Why this run cannot use the all_gather dispatcher, or None. Collective over `group` on GPUs."""
+    if shape.ep not in EP_SIZES:
+        return f"it takes EP = 2, not {shape.ep}"
+    if cfg.dispatch.overlap != "none":
+        return f"it has no [dispatch] overlap = {cfg.dispatch.overlap!r}"
+    if device_sms is not None and group is not None:  # on GPUs: the copy-engine transport's peers
+        return peers_problem(group)
+    return None

@@ -7,7 +7,7 @@ measured by tune_dispatch, each with its date, torch and DeepEP versions); a use
 
     {"version": 1, "entries": [
       {"gpu": "NVIDIA H200", "ep": 2, "hidden": 2048, "top_k": 8, "experts": 128, "tokens_per_rank": 8192,
-       "best": "deepep",                      # the faster MoE layer forward + backward
+       "best": "deepep",                      # the fastest MoE layer forward + backward (all_gather: at EP = 2)
        "deepep": {"num_sms": 64, "dispatch_chunk": 16, "combine_chunk": 8, "buffer_tokens": 256},
        "layer_ms": {"deepep": 9.8, "all_to_all": 11.9},            # MoE layer forward + backward
        "dispatch_combine_ms": {"deepep": 0.8, "all_to_all": 2.9},  # dispatch + combine, fwd + bwd
@@ -28,7 +28,7 @@ from torchtitan_moe.config import ConfigError
 from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings
 
 VERSION = 1
-BACKENDS = ("deepep", "all_to_all")
+BACKENDS = ("deepep", "all_to_all", "all_gather")  # all_gather: timed at EP = 2 only
 # Entries measured on H200s. EP = 2: tune_dispatch on 2 H200s (configs/qwen3_30b_a3b_8l.toml,
 # 8192 tokens/rank, DeepEP 567632d, torch 2.11.0+cu130) at project commit 2c40531, 2026-11-23,
 # measured outside the project's own runs (shared/measured/h200x2-ep2-dispatch.json).
@@ -54,7 +54,7 @@ class Shape:
 @dataclass
 class TunedEntry:
     shape: Shape
-    best: str  # "deepep" or "all_to_all"
+    best: str  # "deepep", "all_to_all" or "all_gather"
     deepep: DeepEPSettings
     layer_ms: dict[str, float]
     dispatch_combine_ms: dict[str, float] = field(default_factory=dict)
@@ -80,6 +80,8 @@ def _entry(raw, where: str) -> TunedEntry:
         raise ConfigError(f"{where}: {e}") from None
     if best not in BACKENDS:
         raise ConfigError(f"{where}: best = {best!r}: expected one of {', '.join(BACKENDS)}")
+    if best not in layer_ms:
+        raise ConfigError(f"{where}: best = {best!r} has no time in layer_ms ({', '.join(layer_ms) or 'empty'})")
     problem = settings.problem()
     if problem:
         raise ConfigError(f"{where}: deepep {problem}")

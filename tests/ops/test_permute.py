@@ -68,6 +68,14 @@ def test_empty_slots(align, backend, device, poison_empty):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_ids_outside_the_experts_are_no_expert(backend, device, poison_empty):
+    """Both backends take an id outside [0, E) as they take -1 (the contract is [0, E) or -1, not checked)."""
+    experts = random_routing(40, 4, 10, seed=11)
+    experts[::3, 0], experts[1::5, 2], experts[2] = 10, 13, -5
+    check(experts, 10, 8, backend, device)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_int32_experts(backend, device):
     experts = random_routing(20, 2, 4, seed=3)
     a = ops.routing_index(experts.int().to(device), 4, backend=backend)

@@ -125,6 +125,9 @@ def routing_index(
 ) -> RoutingIndex:
     """The RoutingIndex of experts [T, K] (entries in [0, num_experts), or -1 for no expert).
 
+    Both backends take any entry outside [0, num_experts) as no expert, as they take -1 (not checked:
+    that would cost a host sync or a device assert).
+
     num_slots: where many slots are -1 (a dispatcher's received rows), the number of slots
     with an expert, known on the host; rows are then allocated for it instead of for T*K.
     It must not undercount (not checked: a host sync); a kernel drops rows past N.

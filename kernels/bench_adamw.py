@@ -7,7 +7,8 @@ attention (q [4096, 2048], k and v [512, 2048], o [2048, 4096]), the gate [128, 
 (2048, 128): 623M parameters, fp32 weights and fp32 gradients, as the optimizer sees them. Minimum
 bytes per parameter: read weight, gradient and both moments, write weight and both moments:
     bf16 moments  4 + 4 + 2 + 2 + 4 + 2 + 2 = 20        fp32 moments  4 * 7 = 28
-Rows per moments dtype: "triton" (ours: one kernel per parameter), "eager" (the torch reference, one
+Rows per moments dtype: "triton" (ours: adamw_foreach_, one launch for all parameters, as the optimizer
+calls it), "eager" (the torch reference, one
 parameter at a time), "compile" (torch.compile of that reference), and for fp32 moments torch's
 AdamW as torchtitan builds it ("fused": torch.optim.AdamW(fused=True), 3 launches for all
 parameters) and its default "foreach". x eager / x compile are against this moments dtype's
@@ -17,7 +18,7 @@ reference; the last lines compare with torch's fused AdamW.
 import torch
 
 from _bench import Bench, parse_args
-from torchtitan_moe.ops.adamw import adamw_step_, adamw_step_reference
+from torchtitan_moe.ops.adamw import adamw_foreach_, adamw_step_, adamw_step_reference
 
 SHAPES = [(128, 1536, 2048), (128, 2048, 768), (4096, 2048), (512, 2048), (512, 2048), (2048, 4096), (128, 2048),
           (2048,), (2048,), (128,), (128,)]
@@ -34,6 +35,10 @@ def tensors(dtype: torch.dtype):
 
 
 def ours(params, grads, moments, backend):
+    if backend == "triton":
+        exp_avgs, exp_avg_sqs = [m for m, _ in moments], [v for _, v in moments]
+        return lambda: adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, **HYPER, step=10, seeds=[SEED] * len(params))
+
     def step():
         for p, g, (m, v) in zip(params, grads, moments):
             adamw_step_(p, g, m, v, **HYPER, step=10, seed=SEED, backend=backend)

@@ -34,14 +34,8 @@ for _ in range(L):
 
 def update(layer):
     for t in layer:
-        n = t["p"].numel()
-        adamw_triton._adamw_kernel[(triton_cdiv(n, 1024),)](
-            t["p"], t["g"], t["m"], t["v"], None, t["w"], n, 0.9, 0.95, 1e-8, 1 - 3e-5, 3e-4, 1.0, 0,
-            BLOCK=1024, num_warps=4)
-
-
-def triton_cdiv(a, b):
-    return (a + b - 1) // b
+        adamw_triton.adamw_foreach_triton([t["p"]], [t["g"]], [t["m"]], [t["v"]], 3e-4, 0.9, 0.95, 1e-8, 0.1, 1000.0,
+                                          [0], None, [t["w"]])
 
 
 def forward(layer):

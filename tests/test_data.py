@@ -90,3 +90,30 @@ def test_file_tokenizer_built_from_local_text(tmp_path):
     assert ids[-1] == tok.eos_id and tok.get_vocab_size() <= 300
     assert len(ids) < len("the lazy dog")  # merges learned from the corpus
     assert tok.decode(ids[:-1]) == "the lazy dog"
+
+
+def test_dataloader_with_workers_gives_and_resumes_the_batches_made_in_process():
+    # [data] workers: batches made by a worker process are the ones made in the training process, and a
+    # loader's state taken mid-stream (the worker two batches ahead) resumes at the next batch it hands out.
+    from types import SimpleNamespace
+
+    from torchtitan_moe.data import build_dataloader
+
+    def loader(workers):
+        job = SimpleNamespace(training=SimpleNamespace(dataset="synthetic", seq_len=16, local_batch_size=2),
+                              data=SimpleNamespace(synthetic_successors=4, synthetic_seed=7, workers=workers))
+        return build_dataloader(1, 0, None, job, vocab_size=256)
+
+    def batches(dl, n):
+        it = iter(dl)
+        return [next(it) for _ in range(n)]
+
+    expected = batches(loader(0), 5)
+    in_worker = loader(1)
+    got = batches(in_worker, 3)
+    state = in_worker.state_dict()
+    resumed = loader(1)
+    resumed.load_state_dict(state)
+    got += batches(resumed, 2)
+    for (a, la), (b, lb) in zip(expected, got, strict=True):
+        assert torch.equal(a["input"], b["input"]) and torch.equal(la, lb)

@@ -148,6 +148,11 @@ class Data:
     synthetic_successors: int = 4
     """Likely next tokens per token in the synthetic stream (lower: easier to learn)."""
 
+    workers: int = 1
+    """Processes that make the batches beside training (the DataLoader's num_workers). 0 makes them in the
+    training process, between steps: the synthetic walk is a Python loop of about 3 ms a sequence of 4,096
+    tokens on the lent hosts, which a step whose host is the bottleneck (local batch 2) waits for."""
+
 
 @dataclass
 class Model:
@@ -310,6 +315,7 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(train.seq_len >= 2, f"[training] seq_len = {train.seq_len}: must be >= 2")
     _need(train.local_batch_size >= 1, f"[training] local_batch_size = {train.local_batch_size}: must be >= 1")
     _need(cfg.data.synthetic_successors >= 1, f"[data] synthetic_successors = {cfg.data.synthetic_successors}: must be >= 1")
+    _need(cfg.data.workers >= 0, f"[data] workers = {cfg.data.workers}: must be >= 0 (0: batches made in the training process)")
 
     ck = cfg.checkpoint
     _need(

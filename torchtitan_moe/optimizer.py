@@ -8,7 +8,8 @@ per parameter (22 GB of a 5.6B-parameter model) and moves 20 instead of 28 bytes
 the update. The update itself is fp32 (ops/adamw.py); only the stored moments are rounded
 (stochastically: unbiased). The master weights stay fp32. What the rounding costs in learning is
 measured, not assumed: worklogs/2026-11-25-bf16-moments.md. With fp32 moments ours is torch's AdamW
-up to fp32 rounding order, in one Triton pass per parameter (28 bytes moved per parameter, torch's fused
+up to fp32 rounding order, in one Triton pass over each parameter, one launch for each group of parameters
+that share dtypes and step (28 bytes moved per parameter, torch's fused
 AdamW 1.14x slower on an H100, kernels/bench_adamw.py), and it writes the experts' bf16 working copies
 in that pass (moe/experts.py) where torch's leaves them to be cast after the step: on a GPU it is the
 default (1.035x the training step on 2 H200s, worklogs/2026-11-26-session4-h200x2.md).
@@ -39,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import GroupedExperts
-from torchtitan_moe.ops.adamw import adamw_step_
+from torchtitan_moe.ops.adamw import adamw_foreach_
 from torchtitan_moe.torchtitan_compat import OptimizersContainer, build_optimizers as build_torchtitan_optimizers, logger
 
 MOMENTS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,8 +80,9 @@ class AdamW(torch.optim.Optimizer):
         index = 0  # the parameter's place in the optimizer: with the step, the seed of its rounding
         grad_scale = getattr(self, "grad_scale", None)  # set by clip_in_optimizer, as torch's AdamW reads it
         working_copies = getattr(self, "working_copies", {})  # set by attach_working_copies
-        for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+        # One adamw_foreach_ call (one launch) per set of parameters it can update together.
+        batches: dict[tuple, tuple[list, ...]] = {}
+        for g, group in enumerate(self.param_groups):
             for p in group["params"]:
                 index += 1
                 experts, name = working_copies.get(p, (None, None))
@@ -90,15 +92,24 @@ class AdamW(torch.optim.Optimizer):
                 state = self._state(p)
                 state["step"] += 1
                 step = int(state["step"])
-                backend = "triton" if p.is_cuda else "torch"
                 working = experts.working_copy(name) if experts is not None else None
-                adamw_step_(_local(p), _local(grad).contiguous(), _local(state["exp_avg"]),
-                            _local(state["exp_avg_sq"]), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                            eps=group["eps"], weight_decay=group["weight_decay"], step=step,
-                            seed=(step * 1_000_003 + index) % 2**31, grad_scale=grad_scale, working=working,
-                            backend=backend)
+                key = (g, step, p.device, grad.dtype, working.dtype if working is not None else None)
+                params, grads, exp_avgs, exp_avg_sqs, seeds, workings = batches.setdefault(key, ([], [], [], [], [], []))
+                params.append(_local(p))
+                grads.append(_local(grad).contiguous())
+                exp_avgs.append(_local(state["exp_avg"]))
+                exp_avg_sqs.append(_local(state["exp_avg_sq"]))
+                seeds.append((step * 1_000_003 + index) % 2**31)
                 if working is not None:
+                    workings.append(working)
                     experts.current.add(name)  # the copy is the new weight's cast: no cast before the next forward
+        for (g, step, device, _, _), (params, grads, exp_avgs, exp_avg_sqs, seeds, workings) in batches.items():
+            group = self.param_groups[g]
+            beta1, beta2 = group["betas"]
+            adamw_foreach_(params, grads, exp_avgs, exp_avg_sqs, lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+                           eps=group["eps"], weight_decay=group["weight_decay"], step=step, seeds=seeds,
+                           grad_scale=grad_scale, workings=workings or None,
+                           backend="triton" if device.type == "cuda" else "torch")
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

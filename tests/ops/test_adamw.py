@@ -9,7 +9,7 @@ import torch
 from ops_helpers import assert_ulp, ulp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from torchtitan_moe.ops.adamw import adamw_step_
+from torchtitan_moe.ops.adamw import adamw_foreach_, adamw_step_
 from torchtitan_moe.optimizer import AdamW
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -96,7 +96,7 @@ def test_working_copy_is_the_new_param_cast_and_changes_nothing_else(moments, ba
         assert torch.equal(a, b), name
     assert torch.equal(buffer[:n], with_copy[0].to(torch.bfloat16))
     assert buffer[n:].isnan().all(), "working: written past its end"
-    with pytest.raises(ValueError, match="working must be a contiguous bfloat16/float16 tensor"):
+    with pytest.raises(ValueError, match=r"working must match param \(\(5000,\)"):
         adamw_step_(with_copy[0], g, *with_copy[1:], **HYPER, step=3, working=buffer[: n - 1], backend=backend)
 
 
@@ -117,6 +117,55 @@ def test_bf16_moments_keep_updates_smaller_than_half_a_step_on_average(backend):
     adamw_step_(p.clone(), g, m.clone(), again, **HYPER, step=1, seed=5, backend=backend)
     adamw_step_(p.clone(), g, m.clone(), other, **HYPER, step=1, seed=6, backend=backend)
     assert torch.equal(again, v) and not torch.equal(other, v)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("working", [False, True])
+def test_a_group_in_one_call_is_each_parameter_updated_alone(moments, working, backend):
+    # Sizes around the kernel's block (1024): empty, one element, a block's tail, several blocks. Each parameter
+    # keeps its own seed; every tensor sits in a NaN-tailed buffer, so a write past any end shows.
+    sizes = [0, 1, 1000, 1024, 1025, 5000, 3]
+    g0 = torch.Generator().manual_seed(3)
+
+    def group():
+        out = []
+        for n in sizes:
+            bufs = [torch.full((n + 64,), float("nan"), dtype=d, device=DEVICE)
+                    for d in (torch.float32, moments, moments, torch.bfloat16)]
+            p, m, v, w = (b[:n] for b in bufs)
+            p.copy_(torch.randn(n, generator=g0))
+            m.copy_(torch.randn(n, generator=g0) * 1e-2)
+            v.copy_(torch.rand(n, generator=g0) * 1e-4)
+            g = (torch.randn(n, generator=g0) * 1e-2).to(torch.bfloat16).to(DEVICE)
+            out.append((bufs, (p, g, m, v, w)))
+        return out
+
+    together, alone = group(), None
+    g0.manual_seed(3)
+    alone = group()
+    scale = torch.tensor(1.5, device=DEVICE)
+    seeds = [11 * i + 1 for i in range(len(sizes))]
+    roles = list(zip(*(t for _, t in together)))
+    adamw_foreach_(*roles[:4], **HYPER, step=4, seeds=seeds, grad_scale=scale,
+                   workings=roles[4] if working else None, backend=backend)
+    for (_, (p, g, m, v, w)), seed in zip(alone, seeds):
+        adamw_step_(p, g, m, v, **HYPER, step=4, seed=seed, grad_scale=scale, working=w if working else None,
+                    backend=backend)
+    for (bufs_a, _), (bufs_b, _), n in zip(together, alone, sizes):
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "working"), bufs_a, bufs_b):
+            torch.testing.assert_close(a[:n], b[:n], rtol=0, atol=0, equal_nan=True, msg=f"{name} of size {n}")
+            assert a[n:].isnan().all(), f"{name} of size {n}: written past its end"
+            if name == "working" and not working:
+                assert a[:n].isnan().all(), "working written without being asked"
+
+
+def test_a_group_has_one_dtype_per_role():
+    p, q = torch.zeros(4), torch.zeros(3)
+    with pytest.raises(ValueError, match=r"every grad of a group must have one dtype"):
+        adamw_foreach_([p, q], [p, q.bfloat16()], [p, q], [p, q], **HYPER, step=1, seeds=[1, 2], backend="torch")
+    with pytest.raises(ValueError, match=r"seeds: 1 entries for 2 params"):
+        adamw_foreach_([p, q], [p, q], [p, q], [p, q], **HYPER, step=1, seeds=[1], backend="torch")
 
 
 def test_bad_arguments_are_named():

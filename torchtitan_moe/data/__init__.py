@@ -26,4 +26,6 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, vo
         dataset = LocalTextDataset(training.dataset_path, tokenizer, training.seq_len, dp_rank, dp_world_size)
     else:
         raise ValueError(f"[training] dataset = {training.dataset!r}: expected 'synthetic' or 'text'")
-    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=training.local_batch_size)
+    workers = job_config.data.workers  # a worker keeps two batches ready (persistent: forked once)
+    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=training.local_batch_size,
+                                   num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)

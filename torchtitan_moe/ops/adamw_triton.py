@@ -1,12 +1,20 @@
-"""Triton kernel of adamw_step_ and its launcher.
+"""Triton kernel of adamw_foreach_ and its launcher: every parameter of a group in one launch.
 
-Elementwise over the flat parameter: each program owns BLOCK contiguous elements, loads param,
-grad and the two moments once (and the clip's grad_scale, a scalar), computes in fp32 and stores param and the moments once
-(bf16 moments rounded stochastically from Philox random bits of (seed, element index)), and the param's bf16 working
-copy where there is one (rounded to nearest even, as a cast). Bandwidth-bound: 20 bytes per element with bf16
-moments and fp32 param and grad, 28 with fp32 moments, 2 more with a working copy.
+Elementwise over each flat parameter: each program owns BLOCK contiguous elements of one parameter,
+found through two tables (the program's parameter and its block within it; the parameter's row of
+addresses, size and seed), loads param, grad and the two moments once (and the clip's grad_scale,
+a scalar), computes in fp32 and stores param and the moments once (bf16 moments rounded
+stochastically from Philox random bits of (seed, element index)), and the param's bf16 working
+copy where there is one (rounded to nearest even, as a cast). Bandwidth-bound: 20 bytes per element
+with bf16 moments and fp32 param and grad, 28 with fp32 moments, 2 more with a working copy.
+
+One launch for a group rather than one per parameter: the optimizer updates ~90 parameters a step
+(30B-A3B at 8 layers, EP = 2), and a launch from the host costs ~100-160 us through the op, the
+checks and Triton's launcher, on the hosts where local batch 2 waits for the host (15 ms of host time
+a step in a profile, worklogs/2026-11-27-session10-h200x2.md).
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -16,15 +24,27 @@ from ._triton_utils import round_stochastic_bf16, round_to
 # this one updates its inputs in place (the first step of a run would be applied many times).
 # 1024 elements a program reaches the copy bandwidth on an H200 (kernels/bench_adamw.py).
 BLOCK, NUM_WARPS = 1024, 4
+ROW = 7  # a parameter's row of the table: param, grad, exp_avg, exp_avg_sq, working addresses, numel, seed
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 @triton.jit
 def _adamw_kernel(
-    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, grad_scale_ptr, working_ptr, N,
-    beta1, beta2, eps, decay, step_size, inv_sqrt_bias2, seed, BLOCK: tl.constexpr,
+    table_ptr, block_param_ptr, block_index_ptr, grad_scale_ptr,
+    beta1, beta2, eps, decay, step_size, inv_sqrt_bias2,
+    GRAD: tl.constexpr, MOMENT: tl.constexpr, WORKING: tl.constexpr, ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
+    pid = tl.program_id(0)
+    row = table_ptr + tl.load(block_param_ptr + pid).to(tl.int64) * ROW
+    param_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD))
+    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(MOMENT))
+    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(MOMENT))
+    n = tl.load(row + 5)
+    seed = tl.load(row + 6)
+    # The element's index within its parameter: the random stream of a bf16 moment's rounding.
+    offs = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
     p = tl.load(param_ptr + offs, mask=mask)
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
     if grad_scale_ptr is not None:  # clipping, folded in: no pass of its own over the gradients
@@ -37,10 +57,11 @@ def _adamw_kernel(
     denom = tl.sqrt_rn(v) * inv_sqrt_bias2 + eps
     p = p * decay - step_size * tl.div_rn(m, denom)
     tl.store(param_ptr + offs, p, mask=mask)
-    if working_ptr is not None:  # the GEMMs' copy, written here rather than cast again before the next forward
-        tl.store(working_ptr + offs, round_to(p, working_ptr.dtype.element_ty), mask=mask)
-    tl.store(exp_avg_ptr + offs, _round(m, exp_avg_ptr.dtype.element_ty, seed, offs, 0), mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, _round(v, exp_avg_sq_ptr.dtype.element_ty, seed, offs, 1), mask=mask)
+    if WORKING is not None:  # the GEMMs' copy, written here rather than cast again before the next forward
+        working_ptr = tl.load(row + 4).to(tl.pointer_type(WORKING))
+        tl.store(working_ptr + offs, round_to(p, WORKING), mask=mask)
+    tl.store(exp_avg_ptr + offs, _round(m, MOMENT, seed, offs, 0), mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, _round(v, MOMENT, seed, offs, 1), mask=mask)
 
 
 @triton.jit
@@ -53,14 +74,49 @@ def _round(x, dtype: tl.constexpr, seed, offs, stream: tl.constexpr):
     return round_to(x, dtype)
 
 
-def adamw_step_triton(param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step, seed,
-                      grad_scale=None, working=None) -> None:
-    n = param.numel()
-    if n == 0:
+_blocks_cache: dict = {}
+
+
+def _blocks(device: torch.device, sizes: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(param index [B] int32, block index within it [B] int32) of every program, for these sizes. A
+    group's sizes stay the same from step to step: made once (on the device), then looked up."""
+    key = (device, sizes, block)
+    if key not in _blocks_cache:
+        counts = torch.tensor([triton.cdiv(n, block) for n in sizes], dtype=torch.int64)
+        params = torch.repeat_interleave(torch.arange(len(sizes)), counts)
+        first = torch.cumsum(counts, 0) - counts  # each parameter's first program
+        index = torch.arange(int(counts.sum())) - first[params]
+        _blocks_cache[key] = (params.to(torch.int32).to(device), index.to(torch.int32).to(device))
+    return _blocks_cache[key]
+
+
+def _table(rows: list[int], device: torch.device) -> torch.Tensor:
+    """The addresses and sizes on the device, without a host sync: from pinned memory on CUDA (a copy
+    from pageable memory would wait for the stream)."""
+    if device.type != "cuda":
+        return torch.tensor(rows, dtype=torch.int64)
+    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
+def adamw_foreach_triton(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds,
+                         grad_scale, workings, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
+    """workings: a working copy for every param, or None for every param. block, num_warps: for studies
+    (scripts/study_gate_adamw.py); the op uses the defaults."""
+    sizes = tuple(p.numel() for p in params)
+    if not sum(sizes):
         return
+    device = params[0].device
+    block_param, block_index = _blocks(device, sizes, block)
+    rows = []
+    for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        w = workings[i].data_ptr() if workings[i] is not None else 0
+        rows += [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), w, sizes[i], seeds[i]]
+    table = _table(rows, device)
     # Per-step scalars on the host (the step count is a host number, as in torch's non-capturable AdamW).
     step_size = lr / (1.0 - beta1**step)
     inv_sqrt_bias2 = 1.0 / (1.0 - beta2**step) ** 0.5
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](param, grad, exp_avg, exp_avg_sq, grad_scale, working, n, beta1, beta2, eps,
-                                            1.0 - lr * weight_decay, step_size, inv_sqrt_bias2, seed,
-                                            BLOCK=BLOCK, num_warps=NUM_WARPS)
+    working = _TL[workings[0].dtype] if workings[0] is not None else None
+    _adamw_kernel[(block_param.numel(),)](table, block_param, block_index, grad_scale, beta1, beta2, eps,
+                                          1.0 - lr * weight_decay, step_size, inv_sqrt_bias2,
+                                          GRAD=_TL[grads[0].dtype], MOMENT=_TL[exp_avgs[0].dtype], WORKING=working,
+                                          ROW=ROW, BLOCK=block, num_warps=num_warps)

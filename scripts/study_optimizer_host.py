@@ -1,0 +1,46 @@
+"""A study (worklogs/2026-11-27-session10-h200x2.md): the host's time for one step of our AdamW over the parameters
+one rank of Qwen3-30B-A3B at 8 layers holds at EP = 2 (91 tensors: each layer's attention, norms and router
+halved by FSDP over 2 ranks, its 64 local experts whole; the embeddings and the output halved), fp32 moments,
+fp32 gradients. The host's time is what a step whose host is the bottleneck (local batch 2) waits for.
+
+    python scripts/study_optimizer_host.py [--label NAME]        # ~45 GB of GPU memory
+
+Run it from two trees (PYTHONPATH) to compare their optimizers: it uses only AdamW's constructor and step."""
+import argparse
+import statistics
+import time
+
+import torch
+
+import torchtitan_moe
+from torchtitan_moe.optimizer import AdamW
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--label", default=torchtitan_moe.__file__)
+args = parser.parse_args()
+
+D, Q, KV, E, I, V, L = 2048, 4096, 512, 64, 768, 151936, 8
+shapes = []
+for _ in range(L):
+    shapes += [(Q // 2, D), (KV // 2, D), (KV // 2, D), (D // 2, Q), (64,), (64,), (D // 2,), (D // 2,), (64, D)]
+    shapes += [(E, 2 * I, D), (E, D, I)]
+shapes += [(V // 2, D), (D // 2,), (V // 2, D)]
+torch.manual_seed(0)
+params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+for p in params:
+    p.grad = torch.randn_like(p) * 1e-3
+opt = AdamW(params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, moments_dtype=torch.float32)
+host, gpu = [], []
+for i in range(14):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    t0 = time.perf_counter()
+    opt.step()
+    host.append((time.perf_counter() - t0) * 1e3)
+    end.record()
+    torch.cuda.synchronize()
+    gpu.append(start.elapsed_time(end))
+n = sum(p.numel() for p in params)
+h, g = statistics.median(host[4:]), statistics.median(gpu[4:])
+print(f"| {args.label} | {len(params)} | {n / 1e9:.2f}B | {h:.2f} | {g:.2f} | {n * 28 / g / 1e6:.0f} |")

@@ -1,6 +1,7 @@
 """bench_train: variants, summaries and one real CPU run of ours (torchtitan's MoE needs CUDA)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -128,8 +129,15 @@ def test_log_freq_is_passed_to_every_run_and_the_medians_take_the_logged_steps(t
                  "--steps", "30", "--warmup", "5", "--log-freq", "10", "--nproc", "1", "--out", str(tmp_path)])
     assert code == 0 and seen
     assert all(o[o.index("--metrics.log_freq") + 1] == "10" for o in seen)
+    assert all(o[o.index("--debug.seed") + 1] == "42" for o in seen)  # the config's [debug] seed
     results = json.loads((tmp_path / "bench_train.json").read_text())
     assert results["ours/local learned eager"]["tps"] == 200.0  # median of steps 10, 20, 30 (after warmup 5)
+    seen.clear()  # a config without a seed: --seed's, the same for every run
+    config = tmp_path / "unseeded.toml"
+    config.write_text(re.sub(r"(?m)^seed = .*$", "", (ROOT / "configs" / "debug.toml").read_text()))
+    assert main([str(config), "--models", "local", "--routers", "learned", "--steps", "30", "--log-freq", "10",
+                 "--nproc", "1", "--seed", "7", "--out", str(tmp_path / "unseeded")]) == 0
+    assert len(seen) == 2 and all(o[o.index("--debug.seed") + 1] == "7" for o in seen)
     for bad in (["--log-freq", "0"], ["--log-freq", "40"], ["--log-freq", "10", "--warmup", "30"]):
         with pytest.raises(SystemExit):
             bench_train.parse_args(["configs/debug.toml", "--steps", "30", *bad])

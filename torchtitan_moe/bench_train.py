@@ -3,7 +3,7 @@
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
         [--modes eager,compiled] [--grad-accum 1,8] [--vary section.key=v1,v2 ...] [--log-freq 1]
-        [--repeat 1] [--profile] [--out DIR] [-- --section.key value ...]
+        [--repeat 1] [--seed 0] [--profile] [--out DIR] [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
@@ -14,8 +14,10 @@ loss, with the ratios to torchtitan eager and compiled with the same router, mea
 this run; then, for each model and router run both ways, how far the compiled loss is from the
 eager one (at the last step, and over the last LOSS_WINDOW steps: compiling must not change
 training). Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
-the variants should train alike) to --out. A variant that fails is reported as failed, with
-its log, and the others still run. torchtitan's MoE runs on CUDA only.
+the variants should train alike) to --out. Every run of a model starts from the same weights: [debug]
+seed is the config's or the overrides', else --seed (where none is set, torchtitan draws new weights
+each run). A variant that fails is reported as failed, with its log, and the others still run.
+torchtitan's MoE runs on CUDA only.
 
 --vary section.key=v1,v2 (repeatable) trains each of our variants once per combination of the
 values (torchtitan's once, as configured) and adds a table of each combination against the first
@@ -280,6 +282,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "to the host (about 10 syncs); pretraining runs log every 10 or more")
     parser.add_argument("--repeat", type=int, default=1,
                         help="train every variant this many times, in rounds of all variants (medians and ranges)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="[debug] seed of every run where the config and the overrides set none")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)
@@ -318,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.nproc or max(torch.cuda.device_count(), 1)
     ep = config_value(args.config, args.extra, "parallelism.expert_parallel_degree", 1)
     local_batch = config_value(args.config, args.extra, "training.local_batch_size", 8)  # torchtitan's default
+    seed = config_value(args.config, args.extra, "debug.seed", args.seed)
     models = args.models.split(",") if args.models else available_models(ep)
     combinations = vary_combinations(args.vary)
     check_combinations(args.config, args.extra, combinations, nproc)
@@ -338,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             again = f", round {round_} of {args.repeat}" if args.repeat > 1 else ""
             print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes{again}", flush=True)
             overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
-                         "--metrics.log_freq", str(args.log_freq),
+                         "--metrics.log_freq", str(args.log_freq), "--debug.seed", str(seed),
                          *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
             code = run_training(args.config, dump, overrides, nproc, log)
             if code != 0 or not (dump / "metrics.jsonl").exists():

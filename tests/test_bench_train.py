@@ -42,6 +42,10 @@ def test_loss_agreement_compares_compiled_with_eager_at_the_last_step_and_over_a
     # last step: 10.1 / 10 - 1 = +1%; last 10 steps: 0.1 / (9 x 12 + 10) = +0.08%
     assert rows == ["| ours/local learned | 11 | 10.0000 | 10.1000 | +1.00% | +0.08% |"]
     assert loss_agreement([lonely], results) == ""
+    # logged every 10th step: the row names the last logged step, not how many were logged
+    results = {eager.name: {"losses": [12.0, 11.0, 10.0], "loss_steps": [1, 10, 20]},
+               compiled.name: {"losses": [12.0, 11.0, 10.1], "loss_steps": [1, 10, 20]}}
+    assert "| ours/local learned | 20 | 10.0000 | 10.1000 |" in loss_agreement([eager, compiled], results)
 
 
 @pytest.mark.slow
@@ -132,6 +136,7 @@ def test_log_freq_is_passed_to_every_run_and_the_medians_take_the_logged_steps(t
     assert all(o[o.index("--debug.seed") + 1] == "42" for o in seen)  # the config's [debug] seed
     results = json.loads((tmp_path / "bench_train.json").read_text())
     assert results["ours/local learned eager"]["tps"] == 200.0  # median of steps 10, 20, 30 (after warmup 5)
+    assert results["ours/local learned eager"]["loss_steps"] == [1, 10, 20, 30]
     seen.clear()  # a config without a seed: --seed's, the same for every run
     config = tmp_path / "unseeded.toml"
     config.write_text(re.sub(r"(?m)^seed = .*$", "", (ROOT / "configs" / "debug.toml").read_text()))

@@ -125,6 +125,7 @@ def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
         "final_loss": records[-1]["loss"],
         "steps": records[-1]["step"],
         "losses": [r["loss"] for r in records],
+        "loss_steps": [r["step"] for r in records],  # the logged steps: every --log-freq-th
     }
     if "mfu(%)" in timed[0]:
         result["mfu"] = statistics.median(r["mfu(%)"] for r in timed)
@@ -219,9 +220,14 @@ def check_combinations(config: str, extra: list[str], combinations: list, nproc:
             raise SystemExit(f"bench_train: --vary {' '.join(f'{k}={v}' for k, v in vary)}: {e}") from None
 
 
+def loss_steps(result: dict) -> list[int]:
+    """The step of each of a result's losses (results written before "loss_steps" logged every step)."""
+    return result.get("loss_steps") or list(range(1, len(result["losses"]) + 1))
+
+
 def loss_gap(base: list[float], other: list[float]) -> tuple[int, float, float]:
-    """Over the steps both ran: (steps, other / base - 1 at the last step, the same for the sums
-    of the last LOSS_WINDOW steps)."""
+    """Over the logged steps both ran: (how many, other / base - 1 at the last one, the same for the
+    sums of the last LOSS_WINDOW logged steps)."""
     n = min(len(base), len(other))
     w = min(LOSS_WINDOW, n)
     return n, other[n - 1] / base[n - 1] - 1, sum(other[n - w : n]) / sum(base[n - w : n]) - 1
@@ -237,12 +243,12 @@ def loss_agreement(variants: list[Variant], results: dict[str, dict]) -> str:
         if "losses" not in eager or "losses" not in compiled:
             continue
         n, last, window = loss_gap(eager["losses"], compiled["losses"])
-        lines.append(f"| {v.name.replace(' eager', '')} | {n} | {eager['losses'][n - 1]:.4f} | "
+        lines.append(f"| {v.name.replace(' eager', '')} | {loss_steps(eager)[n - 1]} | {eager['losses'][n - 1]:.4f} | "
                      f"{compiled['losses'][n - 1]:.4f} | {last:+.2%} | {window:+.2%} |")
     if not lines:
         return ""
     return ("| model, router | step | eager loss | compiled loss | compiled / eager - 1 | "
-            f"same, mean of the last {LOSS_WINDOW} steps |\n|---|---|---|---|---|---|\n" + "\n".join(lines))
+            f"same, mean of the last {LOSS_WINDOW} logged steps |\n|---|---|---|---|---|---|\n" + "\n".join(lines))
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
@@ -254,7 +260,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 5))
     for name, r in results.items():
         if "losses" in r:
-            ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, linestyle="--" if name.startswith("torchtitan") else "-")
+            ax.plot(loss_steps(r), r["losses"], label=name, linestyle="--" if name.startswith("torchtitan") else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("training loss, same config and tokens")

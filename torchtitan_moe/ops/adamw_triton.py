@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._triton_utils import round_stochastic_bf16, round_to
+from ._triton_utils import device_table, program_table, round_stochastic_bf16, round_to
 
 # One fixed config, no autotune: the autotuner times a kernel by running it again and again, and
 # this one updates its inputs in place (the first step of a run would be applied many times).
@@ -74,30 +74,6 @@ def _round(x, dtype: tl.constexpr, seed, offs, stream: tl.constexpr):
     return round_to(x, dtype)
 
 
-_blocks_cache: dict = {}
-
-
-def _blocks(device: torch.device, sizes: tuple[int, ...], block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(param index [B] int32, block index within it [B] int32) of every program, for these sizes. A
-    group's sizes stay the same from step to step: made once (on the device), then looked up."""
-    key = (device, sizes, block)
-    if key not in _blocks_cache:
-        counts = torch.tensor([triton.cdiv(n, block) for n in sizes], dtype=torch.int64)
-        params = torch.repeat_interleave(torch.arange(len(sizes)), counts)
-        first = torch.cumsum(counts, 0) - counts  # each parameter's first program
-        index = torch.arange(int(counts.sum())) - first[params]
-        _blocks_cache[key] = (params.to(torch.int32).to(device), index.to(torch.int32).to(device))
-    return _blocks_cache[key]
-
-
-def _table(rows: list[int], device: torch.device) -> torch.Tensor:
-    """The addresses and sizes on the device, without a host sync: from pinned memory on CUDA (a copy
-    from pageable memory would wait for the stream)."""
-    if device.type != "cuda":
-        return torch.tensor(rows, dtype=torch.int64)
-    return torch.tensor(rows, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
-
-
 def adamw_foreach_triton(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds,
                          grad_scale, workings, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
     """workings: a working copy for every param, or None for every param. block, num_warps: for studies
@@ -106,12 +82,12 @@ def adamw_foreach_triton(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2,
     if not sum(sizes):
         return
     device = params[0].device
-    block_param, block_index = _blocks(device, sizes, block)
+    block_param, block_index = program_table(device, sizes, block)
     rows = []
     for i, (p, g, m, v) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         w = workings[i].data_ptr() if workings[i] is not None else 0
         rows += [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), w, sizes[i], seeds[i]]
-    table = _table(rows, device)
+    table = device_table(rows, device)
     # Per-step scalars on the host (the step count is a host number, as in torch's non-capturable AdamW).
     step_size = lr / (1.0 - beta1**step)
     inv_sqrt_bias2 = 1.0 / (1.0 - beta2**step) ** 0.5

@@ -3,6 +3,7 @@
 import json
 import math
 
+import pytest
 import torch
 
 from torchtitan_moe.data.synthetic import SyntheticMarkovDataset, chain_entropy, markov_chain
@@ -92,17 +93,21 @@ def test_file_tokenizer_built_from_local_text(tmp_path):
     assert tok.decode(ids[:-1]) == "the lazy dog"
 
 
-def test_dataloader_with_workers_gives_and_resumes_the_batches_made_in_process():
+@pytest.mark.parametrize("dataset, dp", [("synthetic", (0, 1)), ("synthetic", (1, 2)), ("text", (1, 2))])
+def test_dataloader_with_workers_gives_and_resumes_the_batches_made_in_process(tmp_path, dataset, dp):
     # [data] workers: batches made by a worker process are the ones made in the training process, and a
     # loader's state taken mid-stream (the worker two batches ahead) resumes at the next batch it hands out.
     from types import SimpleNamespace
 
     from torchtitan_moe.data import build_dataloader
 
+    path = write_corpus(tmp_path) if dataset == "text" else None
+    rank, world = dp
+
     def loader(workers):
-        job = SimpleNamespace(training=SimpleNamespace(dataset="synthetic", seq_len=16, local_batch_size=2),
+        job = SimpleNamespace(training=SimpleNamespace(dataset=dataset, dataset_path=path, seq_len=16, local_batch_size=2),
                               data=SimpleNamespace(synthetic_successors=4, synthetic_seed=7, workers=workers))
-        return build_dataloader(1, 0, None, job, vocab_size=256)
+        return build_dataloader(world, rank, ByteTokenizer(), job, vocab_size=512)
 
     def batches(dl, n):
         it = iter(dl)

@@ -2,7 +2,8 @@
 rank of Qwen3-30B-A3B at 8 layers holds at EP = 2: the rank's grad norm (checks/monitors.py: local_grad_norm)
 and the experts' working-copy check (moe/experts.py: stale_working_copies), each as it is and as it was
 (before 4058404: an fp32 copy of every gradient, then its norm; before copies_differ: a cast, a comparison
-and a reduction per weight, in torch).
+and a reduction per weight, in torch); and the clip's sum of squares of the experts' gradients, every step
+(torch's foreach norm, then ops.sum_of_squares).
 
     python scripts/study_monitor_step.py        # one GPU, ~40 GB
     python scripts/study_monitor_step.py --smoke    # small shapes on the CPU (Triton's interpreter): the script runs
@@ -20,6 +21,7 @@ if SMOKE:
 import torch
 from torch import nn
 
+from torchtitan_moe import ops
 from torchtitan_moe.checks.monitors import local_grad_norm
 from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
 from torchtitan_moe.moe.experts import GroupedExperts, stale_working_copies
@@ -74,7 +76,11 @@ def median_ms(f) -> float:
     return do_bench(f, return_mode="median")
 
 
+expert_grads = [c.grad for e in model for c in e.working.values()]
 for name, before, now in (("grad norm", old_grad_norm, lambda: local_grad_norm(parts)),
-                          ("working copies", old_stale_check, lambda: stale_working_copies(model))):
+                          ("working copies", old_stale_check, lambda: stale_working_copies(model)),
+                          ("the experts' sum of squares (the clip's, every step)",
+                           lambda: ops.sum_of_squares_reference(expert_grads),
+                           lambda: ops.sum_of_squares(expert_grads, backend="triton"))):
     b, a = median_ms(before), median_ms(now)
     print(f"| {name} | {b:.2f} | {a:.2f} | {b / a:.2f}x |")

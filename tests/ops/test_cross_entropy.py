@@ -99,6 +99,19 @@ def test_linear_cross_entropy(N, ignored, dtype, backend, device, poison_empty):
         assert (dh.cpu()[ignored_rows] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_scales_by_the_unrounded_dloss(dtype, device):
+    # The op's gradients at dloss = 1, scaled by an fp32 dloss that no 16-bit type holds and rounded once:
+    # a bf16 tensor times a 0-dim fp32 CUDA tensor rounds the scalar to bf16 first (CPU's does not).
+    h, w, labels = inputs(40, 24, 700, dtype, device, seed=5)
+    dloss = torch.tensor(1 / 3, dtype=torch.float32)
+    _, dh1, dw1 = run(h, w, labels, "triton", dloss=1.0)
+    _, dh, dw = run(h, w, labels, "triton", dloss=dloss.item())
+    for name, got, unscaled in (("dh", dh, dh1), ("dweight", dw, dw1)):
+        want = (unscaled.float() * dloss.to(unscaled.device)).to(dtype)
+        assert torch.equal(got, want), f"{name}: not the unscaled gradient times dloss rounded once"
+
+
 def test_backends_agree_with_torchtitans_loss(device):
     h, w, labels = inputs(64, 32, 900, torch.bfloat16, device, seed=1)
     triton, torch_ = run(h, w, labels, "triton"), run(h, w, labels, "torch")

@@ -80,7 +80,11 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dloss, _dh, _dweight):
     dh, dweight = ctx.saved_tensors
-    return dh * dloss, dweight * dloss, None, None
+    # One vectorized pass over both, the fp32 dloss unrounded: `dweight * dloss` with a bf16 dweight and a
+    # 0-dim fp32 CUDA dloss takes TensorIterator's casting kernel (0.7 ms for Qwen3's [151936, 2048] on
+    # an H200, a quarter of the copy bandwidth) and rounds dloss to bf16 first.
+    dh, dweight = torch._foreach_mul([dh, dweight], dloss)
+    return dh, dweight, None, None
 
 
 _linear_cross_entropy_triton.register_autograd(_backward, setup_context=_setup_context)

@@ -8,12 +8,23 @@ checked whole: loss, dh and dweight (the gradient GEMMs, the backward's scaling,
 import pytest
 import torch
 from ops_helpers import REDUCTION_EPS, assert_sum, assert_ulp, elementwise_ulps
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_moe import ops
 from torchtitan_moe.ops.cross_entropy import IGNORE_INDEX
 
 F64 = torch.float64
 BACKENDS = ["triton", "torch"]
+
+
+class DispatchLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def inputs(N: int, D: int, V: int, dtype, device, seed: int, ignored: float = 0.2):
@@ -110,6 +121,17 @@ def test_backward_scales_by_the_unrounded_dloss(dtype, device):
     for name, got, unscaled in (("dh", dh, dh1), ("dweight", dw, dw1)):
         want = (unscaled.float() * dloss.to(unscaled.device)).to(dtype)
         assert torch.equal(got, want), f"{name}: not the unscaled gradient times dloss rounded once"
+
+
+def test_backward_is_one_multiply(device):
+    # The op's two gradient outputs get no gradient: no tensors of zeros made for them ([V, D] each).
+    h, w, labels = inputs(16, 24, 700, torch.bfloat16, device, seed=6)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    loss = ops.linear_cross_entropy(h, w, labels, backend="triton")
+    with DispatchLog() as log:
+        loss.backward()
+    assert [op for op in log.ops if op not in ("aten.detach.default", "aten.ones_like.default")] == [
+        "aten._foreach_mul.Tensor"], log.ops
 
 
 def test_backends_agree_with_torchtitans_loss(device):

@@ -112,8 +112,8 @@ def test_linear_cross_entropy(N, ignored, dtype, backend, device, poison_empty):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_backward_scales_by_the_unrounded_dloss(dtype, device):
-    # The op's gradients at dloss = 1, scaled by an fp32 dloss that no 16-bit type holds and rounded once:
-    # a bf16 tensor times a 0-dim fp32 CUDA tensor rounds the scalar to bf16 first (CPU's does not).
+    # The op's gradients at dloss = 1, scaled by an fp32 dloss that no 16-bit type holds and rounded once
+    # (torch's bf16 tensor times a 0-dim fp32 CUDA tensor rounds the scalar to bf16 first; on the CPU it does not).
     h, w, labels = inputs(40, 24, 700, dtype, device, seed=5)
     dloss = torch.tensor(1 / 3, dtype=torch.float32)
     _, dh1, dw1 = run(h, w, labels, "triton", dloss=1.0)
@@ -131,7 +131,7 @@ def test_backward_is_one_multiply(device):
     with DispatchLog() as log:
         loss.backward()
     assert [op for op in log.ops if op not in ("aten.detach.default", "aten.ones_like.default")] == [
-        "aten._foreach_mul.Tensor"], log.ops
+        "torchtitan_moe.linear_cross_entropy_backward.default"], log.ops
 
 
 def test_backends_agree_with_torchtitans_loss(device):

@@ -113,12 +113,19 @@ def test_our_adamw_writes_the_copies_and_the_next_forward_casts_nothing(monkeypa
     assert casts == []
 
 
-def test_a_copy_out_of_step_with_its_weight_is_named():
-    experts, batch = experts_and_batch()
-    experts(batch)
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_copy_out_of_step_with_its_weight_is_named(kernels):
+    # Two layers' experts, one changed behind its back by one element: only that weight is named.
+    layers = nn.ModuleDict()
+    for i in range(2):
+        experts, batch = experts_and_batch(seed=i)
+        experts.kernels = kernels
+        experts(batch)
+        layers[f"moe{i}"] = experts
+    assert stale_working_copies(layers) == []
     with torch.no_grad():
-        experts.w2.data.mul_(2)  # behind the experts' back: .data writes are not seen
-    assert stale_working_copies(nn.ModuleDict({"moe": experts})) == ["moe.w2"]
+        layers["moe1"].w2.data.view(-1)[-1] += 1.0  # .data writes are not seen by the experts
+    assert stale_working_copies(layers) == ["moe1.w2"]
 
 
 def test_compiled_blocks_read_copies_made_by_the_models_pre_forward_hook():

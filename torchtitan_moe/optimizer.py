@@ -38,6 +38,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch.distributed.tensor import DTensor
 
+from torchtitan_moe import ops
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import GroupedExperts
 from torchtitan_moe.ops.adamw import adamw_foreach_
@@ -256,19 +257,6 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], ep_enabled: bool,
     return (norms.get(True, zero) ** 2.0 + norms.get(False, zero) ** 2.0) ** 0.5
 
 
-def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the squares of every element, a 0-dim fp32 (fp64 where a tensor is) tensor: one foreach
-    norm per dtype, accumulated in fp32 straight from bf16 tensors (no fp32 copy of them). Plain tensors
-    (a DTensor's local shard, not the DTensor), on one device, at least one."""
-    by_dtype = defaultdict(list)
-    for t in tensors:
-        by_dtype[t.dtype].append(t)
-    squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.promote_types(dtype, torch.float32)))
-               .square().sum() for dtype, group in by_dtype.items()]
-    wide = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
-    return torch.stack([s.to(wide) for s in squares]).sum()
-
-
 def _sum_of_squares(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Sum of squares (fp32) of the gradients, each this rank's shard of its weight, over the ranks that
     hold the weight's other shards (the mesh dimensions it is sharded on)."""
@@ -278,7 +266,7 @@ def _sum_of_squares(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Ten
         by_layout[layout].append(grad)
     total = None
     for (mesh, placements), grads in by_layout.items():
-        squares = sum_of_squares(grads)
+        squares = ops.sum_of_squares(grads, backend="triton" if grads[0].is_cuda else "torch")
         for dim, placement in enumerate(placements):
             if placement.is_shard():
                 squares = funcol.all_reduce(squares, "sum", (mesh, dim))

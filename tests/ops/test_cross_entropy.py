@@ -8,12 +8,23 @@ checked whole: loss, dh and dweight (the gradient GEMMs, the backward's scaling,
 import pytest
 import torch
 from ops_helpers import REDUCTION_EPS, assert_sum, assert_ulp, elementwise_ulps
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtitan_moe import ops
 from torchtitan_moe.ops.cross_entropy import IGNORE_INDEX
 
 F64 = torch.float64
 BACKENDS = ["triton", "torch"]
+
+
+class DispatchLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 def inputs(N: int, D: int, V: int, dtype, device, seed: int, ignored: float = 0.2):
@@ -97,6 +108,30 @@ def test_linear_cross_entropy(N, ignored, dtype, backend, device, poison_empty):
     if N:
         ignored_rows = (labels == IGNORE_INDEX).cpu()
         assert (dh.cpu()[ignored_rows] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_backward_scales_by_the_unrounded_dloss(dtype, device):
+    # The op's gradients at dloss = 1, scaled by an fp32 dloss that no 16-bit type holds and rounded once
+    # (torch's bf16 tensor times a 0-dim fp32 CUDA tensor rounds the scalar to bf16 first; on the CPU it does not).
+    h, w, labels = inputs(40, 24, 700, dtype, device, seed=5)
+    dloss = torch.tensor(1 / 3, dtype=torch.float32)
+    _, dh1, dw1 = run(h, w, labels, "triton", dloss=1.0)
+    _, dh, dw = run(h, w, labels, "triton", dloss=dloss.item())
+    for name, got, unscaled in (("dh", dh, dh1), ("dweight", dw, dw1)):
+        want = (unscaled.float() * dloss.to(unscaled.device)).to(dtype)
+        assert torch.equal(got, want), f"{name}: not the unscaled gradient times dloss rounded once"
+
+
+def test_backward_is_one_multiply(device):
+    # The op's two gradient outputs get no gradient: no tensors of zeros made for them ([V, D] each).
+    h, w, labels = inputs(16, 24, 700, torch.bfloat16, device, seed=6)
+    h, w = h.requires_grad_(), w.requires_grad_()
+    loss = ops.linear_cross_entropy(h, w, labels, backend="triton")
+    with DispatchLog() as log:
+        loss.backward()
+    assert [op for op in log.ops if op not in ("aten.detach.default", "aten.ones_like.default")] == [
+        "torchtitan_moe.linear_cross_entropy_backward.default"], log.ops
 
 
 def test_backends_agree_with_torchtitans_loss(device):

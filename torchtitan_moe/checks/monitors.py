@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtitan_moe import ops
 from torchtitan_moe.moe.experts import GroupedExperts
-from torchtitan_moe.optimizer import sum_of_squares
 
 # A logged loss this many times its EMA is a spike (the loss falls during healthy training,
 # so it stays below its lagging EMA; 1.5x is far outside step-to-step noise).
@@ -57,7 +57,7 @@ def local_grad_norm(model_parts: list[nn.Module]) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32)
     # From the gradients as they are: an fp32 copy of the bf16 ones would be 4.8 GB a rank (30B-A3B-8l, EP = 2).
-    return sum_of_squares(grads).sqrt()
+    return ops.sum_of_squares(grads, backend="triton" if grads[0].is_cuda else "torch").sqrt()
 
 
 def gather_rank_stats(local_loss: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:

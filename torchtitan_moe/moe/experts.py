@@ -187,15 +187,17 @@ def refresh_working_copies(model: nn.Module, *args) -> None:
 @torch.no_grad()
 def stale_working_copies(model: nn.Module) -> list[str]:
     """The working copies whose bits differ from their master weight's cast (between optimizer steps all
-    are current: a weight changed behind the experts' back): a training-health check, one host sync."""
-    checks = []
+    are current: a weight changed behind the experts' back): a training-health check, one pass over the
+    weights and copies of each kernels backend (ops.copies_differ), one host sync."""
+    checks: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # backend -> (name, weight, copy)
     for path, module in model.named_modules():
         if isinstance(module, GroupedExperts):
             for name in sorted(module.working):
-                cast = _local(getattr(module, name).detach()).to(module.param_dtype)
-                differ = (module.working[name].view(torch.int16) != cast.view(torch.int16)).any()
-                checks.append((f"{path}.{name}" if path else name, differ))
-    if not checks:
-        return []
-    flags = torch.stack([differ for _, differ in checks]).tolist()
-    return [name for (name, _), differ in zip(checks, flags) if differ]
+                weight = _local(getattr(module, name).detach())
+                checks.setdefault(module.kernels, []).append(
+                    (f"{path}.{name}" if path else name, weight, module.working[name]))
+    stale = []
+    for backend, found in checks.items():
+        flags = ops.copies_differ([w for _, w, _ in found], [c for _, _, c in found], backend=backend).tolist()
+        stale += [name for (name, _, _), differ in zip(found, flags) if differ]
+    return stale

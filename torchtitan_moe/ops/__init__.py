@@ -14,6 +14,8 @@
             summed cross-entropy; the Triton path makes the gradients in the forward, in place
     dw32  = upcast(dw [*] bf16)                          the experts' weight gradients to fp32
     logits = gate_logits(x [T, D] bf16, w [E, D] fp32)  [T, E] the router's fp32 gate on bf16 tensor cores
+    differ = copies_differ(weights fp32, copies bf16)    [n] bool: the experts' working copies checked
+    squares = sum_of_squares(tensors)                    [] fp32: the gradients' norm for clipping, in one pass
 
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
 torch ops). <op>.py holds the API, the argument checks, the reference and the
@@ -27,6 +29,8 @@ torch and triton, so the package can be lifted into any training stack.
 """
 
 from .combine import combine, combine_reference, combine_tokens, gather_rows, gather_rows_reference
+from .copy_check import copies_differ, copies_differ_reference
+from .sum_of_squares import sum_of_squares, sum_of_squares_reference
 from .gate import gate_logits, gate_logits_reference
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
 from .grouped_mm import grouped_mm
@@ -58,4 +62,8 @@ __all__ = [
     "gate_logits",
     "gate_logits_reference",
     "upcast_takes",
+    "copies_differ",
+    "copies_differ_reference",
+    "sum_of_squares",
+    "sum_of_squares_reference",
 ]

@@ -123,6 +123,15 @@ def test_backward_scales_by_the_unrounded_dloss(dtype, device):
         assert torch.equal(got, want), f"{name}: not the unscaled gradient times dloss rounded once"
 
 
+def test_scaled_takes_any_layout(device):
+    from torchtitan_moe.ops.cross_entropy_triton import scaled
+
+    x = torch.randn(6, 10, dtype=torch.float64).to(torch.bfloat16).to(device)
+    scale = torch.tensor(1 / 3, device=device)
+    for view in (x, x.t(), x[:, ::3]):
+        assert torch.equal(scaled(view, scale), (view.float() * scale).to(torch.bfloat16))
+
+
 def test_backward_is_one_multiply(device):
     # The op's two gradient outputs get no gradient: no tensors of zeros made for them ([V, D] each).
     h, w, labels = inputs(16, 24, 700, torch.bfloat16, device, seed=6)

@@ -71,7 +71,8 @@ def _scale_kernel(x_ptr, scale_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def scaled(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [*] contiguous, scale [] fp32 on x's device -> x * scale in fp32, rounded once to x's dtype."""
+    """x [*], scale [] fp32 on x's device -> x * scale in fp32, rounded once to x's dtype (contiguous)."""
+    x = x.contiguous()  # the kernel walks the storage flat (the op's GEMM outputs already are)
     out = torch.empty_like(x)
     n = x.numel()
     if n:

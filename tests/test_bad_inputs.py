@@ -164,6 +164,8 @@ OTHERS = [
      "[optimizer] expert_grad_dtype = 'bfloat16' keeps one backward's gradients: global_batch_size = 32 accumulates 2"),
     (["--parallelism.embedding", "rows", "--parallelism.data_parallel_replicate_degree", "2"],
      "[parallelism] embedding = 'rows' shards the embedding over the FSDP ranks of one replica"),
+    (["--parallelism.router", "rows", "--parallelism.data_parallel_replicate_degree", "2"],
+     "[parallelism] router = 'rows' shards each router's gate over the FSDP ranks of one replica"),
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 

@@ -51,7 +51,9 @@ def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str
         grads = {name: full(p.grad) for name, p in model.named_parameters()}
         if rank == 0:
             by_rows = isinstance(model.tok_embeddings.weight, DTensor) and not isinstance(model.tok_embeddings, FSDPModule)
-            torch.save({"params": params, "grads": grads, "embedding_by_rows": by_rows}, out)
+            router = next(iter(model.layers.values())).moe.router
+            gate_rows = isinstance(router.gate.weight, DTensor) and not isinstance(router, FSDPModule)
+            torch.save({"params": params, "grads": grads, "embedding_by_rows": by_rows, "gate_rows": gate_rows}, out)
     except BaseException as e:
         failures.put(f"rank {rank}: {type(e).__name__}: {e}")
         raise
@@ -100,10 +102,13 @@ def check_first_step(tmp_path: Path, grad_rel: float) -> None:
     for name, g in single["grads"].items():  # every parameter takes part: none is cut off the graph
         per_row = g.reshape(g.shape[0], -1).abs().amax(dim=1) if name.endswith(("w13", "w2")) else g.abs().max()
         assert (per_row > 0).all(), f"{name}: zero gradient"
-    # [parallelism] embedding = "auto" shards the embedding by rows here (a 1-D FSDP mesh); "fsdp" gathers it.
-    for overrides in [(), ("--parallelism.embedding", "fsdp"), ("--parallelism.expert_parallel_degree", "2")]:
+    # [parallelism] embedding and router = "auto" shard the embedding and the gates by rows here (a 1-D FSDP
+    # mesh); "fsdp" gathers them.
+    for overrides in [(), ("--parallelism.embedding", "fsdp"), ("--parallelism.router", "fsdp"),
+                      ("--parallelism.expert_parallel_degree", "2")]:
         sharded = first_step(tmp_path, 2, *overrides)
-        assert sharded["embedding_by_rows"] is ("fsdp" not in overrides), overrides
+        assert sharded["embedding_by_rows"] is ("--parallelism.embedding" not in overrides), overrides
+        assert sharded["gate_rows"] is ("--parallelism.router" not in overrides), overrides
         assert_no_clones(sharded["params"])
         assert sharded["params"].keys() == single["params"].keys()
         for name, expected in single["params"].items():

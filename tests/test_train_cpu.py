@@ -53,6 +53,8 @@ RUNS = {
 # Our train step (no host syncs) against torchtitan's, on the recipe run: 2 micro-batches a step, a
 # global token count over 2 ranks, the balance loss over both, logging every step.
 RUNS["recipe_torchtitan_step"] = RUNS["recipe"]
+# The routers' gates sharded by rows ([parallelism] router = "auto" here) against FSDP2's router groups.
+RUNS["recipe_router_fsdp"] = [*RUNS["recipe"], "--parallelism.router", "fsdp"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
 # step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
 # torch's fused AdamW and with ours (bf16 moments, and fp32 moments: [optimizer] update = "triton").
@@ -197,6 +199,15 @@ def test_router_recipe_terms_are_logged_each_on_its_own(runs):
         assert r["moe/aux_loss"] == pytest.approx(0.01 * r["moe/balance_loss"] + 0.001 * r["moe/z_loss"])
         assert 0.9 < r["moe/balance_loss"] < 1.5 and 0 < r["moe/z_loss"] < 20  # (ln 8)^2 = 4.3 for small logits
         assert all(sum(layer) == 2 * 2 * 8 * 128 * 2 for layer in r["moe/tokens_per_expert"])  # counted once
+
+
+def test_gates_sharded_by_rows_train_as_fsdp_router_groups_to_the_bit(runs):
+    # The recipe run (EP = 2, 2 micro-batches, the global-batch balance loss and z-loss) with each router
+    # gathering its gate's rows and reduce-scattering its gradient, against an FSDP2 group per router: the
+    # same fp32 all-gather and the same sum of the same terms, so the same losses and grad norms.
+    rows, fsdp = runs["recipe"], runs["recipe_router_fsdp"]
+    assert len(rows) == 3
+    assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in fsdp]
 
 
 def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):

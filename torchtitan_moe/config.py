@@ -199,6 +199,12 @@ class Parallelism:
     forward and reduce-scatters its gradient, both exposed at the step's ends), 'rows' (each rank keeps
     its rows and the tokens and their gradients travel instead: parallel/embedding.py), or 'auto': 'rows'
     under FSDP without HSDP replicas or tied weights, else 'fsdp'. Our model only."""
+    router: Literal["auto", "fsdp", "rows"] = "auto"
+    """How each router's fp32 gate is sharded over the FSDP ranks: 'fsdp' (an FSDP2 group of its own per
+    layer), 'rows' (each rank keeps its rows and the router gathers them in its forward, reduce-scattering
+    the gradient in its backward, without FSDP2's hooks: parallel/router_gate.py; the same values), or
+    'auto': 'rows' under FSDP without HSDP replicas where the experts split evenly over the ranks, else
+    'fsdp'. Our model only."""
 
 
 @dataclass
@@ -297,6 +303,8 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     if world_size is not None:
         check_data_parallel(replicate, shard, ep, world_size)
     _need(par.embedding != "rows" or replicate == 1, f"[parallelism] embedding = 'rows' shards the embedding over "
+          f"the FSDP ranks of one replica: with data_parallel_replicate_degree = {replicate} use 'fsdp' or 'auto'")
+    _need(par.router != "rows" or replicate == 1, f"[parallelism] router = 'rows' shards each router's gate over "
           f"the FSDP ranks of one replica: with data_parallel_replicate_degree = {replicate} use 'fsdp' or 'auto'")
 
     if cfg.model.name == "qwen3_moe":  # [dispatch] configures our MoE layers; torchtitan's has its own EP

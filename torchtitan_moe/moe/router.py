@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtitan_moe import ops
 from torchtitan_moe.moe.router_losses import (
@@ -31,6 +32,7 @@ from torchtitan_moe.moe.router_losses import (
     sequence_balance_loss,
     z_loss,
 )
+from torchtitan_moe.parallel.router_gate import gathered_gate
 from torchtitan_moe.seam import Routing
 
 
@@ -106,7 +108,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
         """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss."""
-        routing = self.route(x, seq_len)
+        weight = self.gate.weight
+        if isinstance(weight, DTensor):  # sharded by rows outside FSDP2 (parallel/router_gate.py): gather it here
+            weight = gathered_gate(weight)
+        routing = self.route(x, seq_len, weight)
         if self.balance_loss == "global_batch" and self.training and torch.is_grad_enabled():
             balance = self.global_balance_loss(routing.scores, routing.tokens_per_expert)
             weighted = self.balance_loss_coeff * balance
@@ -114,14 +119,16 @@ class Router(nn.Module):
             routing = dataclasses.replace(routing, aux_loss=aux_loss, balance_loss=balance)
         return routing
 
-    def route(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
-        """`forward` without the global-batch balance loss (the region torch.compile compiles)."""
+    def route(self, x: torch.Tensor, seq_len: int | None = None, weight: torch.Tensor | None = None) -> Routing:
+        """`forward` without the global-batch balance loss (the region torch.compile compiles). `weight`: the
+        whole gate [E, D] where `gate.weight` holds this rank's rows only (forward gathers them)."""
+        weight = self.gate.weight if weight is None else weight
         with torch.autocast(x.device.type, enabled=False):  # router math stays fp32
             dtype = self.gate_dtype
             if dtype == torch.float32 and x.dtype == torch.bfloat16 and self.kernels == "triton":
-                logits = ops.gate_logits(x, self.gate.weight.to(torch.float32), backend=self.kernels)
+                logits = ops.gate_logits(x, weight.to(torch.float32), backend=self.kernels)
             else:
-                logits = F.linear(x.to(dtype), self.gate.weight.to(dtype)).float()
+                logits = F.linear(x.to(dtype), weight.to(dtype)).float()
         if self.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:

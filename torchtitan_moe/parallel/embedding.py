@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from torchtitan_moe.parallel.collectives import all_gather, reduce_scatter_sum
+
 
 def shard_embedding_rows(embedding: nn.Embedding, mesh: DeviceMesh, compute_dtype: torch.dtype) -> None:
     """Make `embedding.weight` this rank's rows (torch.chunk's split, as FSDP2's Shard(0)) of a 1-D `mesh`;
@@ -56,7 +58,7 @@ class _ShardedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, ids: torch.Tensor, start: int, mesh: DeviceMesh,
                 compute_dtype: torch.dtype) -> torch.Tensor:
-        all_ids = _all_gather(ids, mesh)
+        all_ids = all_gather(ids, mesh)
         held_rows = local.shape[0]
         index = all_ids - start
         held = (index >= 0) & (index < held_rows)
@@ -64,7 +66,7 @@ class _ShardedRows(torch.autograd.Function):
         rows = nn.functional.embedding(index.clamp(0, max(held_rows - 1, 0)), local.detach()).to(compute_dtype) \
             if held_rows else local.new_zeros(index.numel(), local.shape[1], dtype=compute_dtype)
         rows.masked_fill_(~held[:, None], 0)  # [W*N, D]: zeros where another rank holds the row
-        out = _reduce_scatter(rows, mesh)
+        out = reduce_scatter_sum(rows, mesh)
         ctx.save_for_backward(torch.where(held, index, held_rows))  # one row past this rank's: the others'
         ctx.mesh, ctx.held_rows, ctx.local_dtype = mesh, held_rows, local.dtype
         return out
@@ -72,24 +74,9 @@ class _ShardedRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (index,) = ctx.saved_tensors
-        all_grad = _all_gather(grad.contiguous(), ctx.mesh)
+        all_grad = all_gather(grad.contiguous(), ctx.mesh)
         # Each held row's gradient summed in fp32 over every rank's tokens; the padding row (the other
         # ranks' rows) is skipped. embedding_dense_backward sums in a fixed order (it sorts the ids).
         grad_local = torch.ops.aten.embedding_dense_backward(all_grad.float(), index, ctx.held_rows + 1,
                                                              ctx.held_rows, False)
         return grad_local[: ctx.held_rows].to(ctx.local_dtype), None, None, None, None
-
-
-# torch's functional collectives by their ops: funcol's wrappers were renamed between torch 2.11 and 2.13.
-def _all_gather(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """[n, ...] on each rank -> [W*n, ...], ranks in mesh order."""
-    group = mesh.get_group()
-    return torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_gather_into_tensor(t, group.size(), group.group_name))
-
-
-def _reduce_scatter(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    """[W*n, ...] on each rank -> this rank's [n, ...] of their sum."""
-    group = mesh.get_group()
-    return torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.reduce_scatter_tensor(t, "sum", group.size(), group.group_name))

@@ -1,12 +1,12 @@
 """Parallelize Qwen3-MoE: expert parallelism, activation checkpointing, compile, FSDP2.
 
 FSDP2 groups (outermost last):
-    tok_embeddings (unless sharded by rows: embedding_by_rows) | per block: router (fp32 params),
-    experts (EP: on the efsdp mesh), block | norm + output | model
+    tok_embeddings (unless sharded by rows: embedding_by_rows) | per block: router (fp32 params;
+    unless sharded by rows: router_by_rows), experts (EP: on the efsdp mesh), block | norm + output | model
 Where the efsdp group has one rank (EP = the processes of a replica), the experts stay
 outside FSDP2: see keep_experts_unsharded.
 The router gets its own group with fp32 parameters so the gate is computed in fp32 even
-when the rest of the block all-gathers bf16.
+when the rest of the block all-gathers bf16; or, sharded by rows, it gathers its fp32 gate itself.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from torchtitan_moe.config import ConfigError
 from torchtitan_moe.moe.experts import refresh_working_copies
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.parallel.embedding import shard_embedding_rows
+from torchtitan_moe.parallel.router_gate import gate_rows_problem, shard_gate_rows
 from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -55,9 +56,11 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
 
     if parallel_dims.fsdp_enabled or parallel_dims.dp_replicate_enabled:
         apply_fsdp(model, parallel_dims, job_config)
-    elif job_config.parallelism.embedding == "rows":
-        raise ConfigError("[parallelism] embedding = 'rows' shards the embedding by rows over FSDP's ranks, but this "
-                          "run has one data-parallel rank: use 'fsdp' or 'auto'")
+    else:
+        for key in ("embedding", "router"):
+            if getattr(job_config.parallelism, key) == "rows":
+                raise ConfigError(f"[parallelism] {key} = 'rows' shards by rows over FSDP's ranks, but this run has "
+                                  "one data-parallel rank: use 'fsdp' or 'auto'")
     return model
 
 
@@ -107,15 +110,20 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
     reshard = {"default": True, "always": True, "never": False}[job_config.parallelism.fsdp_reshard_after_forward]
 
     unsharded_experts: set[nn.Parameter] = set()  # their FSDP group would have one rank
-    outside_fsdp: set[nn.Parameter] = set()  # the above, and the embedding sharded by rows
+    outside_fsdp: set[nn.Parameter] = set()  # the above, and the embedding and gates sharded by rows
     if embedding_by_rows(job_config.parallelism.embedding, model, dp_mesh):
         shard_embedding_rows(model.tok_embeddings, dp_mesh, mp.param_dtype)
         outside_fsdp.add(model.tok_embeddings.weight)
     else:
         fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    gate_rows = router_by_rows(job_config.parallelism.router, model, dp_mesh)
     for block in model.layers.values():
         moe = block.moe
-        fully_shard(moe.router, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
+        if gate_rows:
+            shard_gate_rows(moe.router.gate, dp_mesh)
+            outside_fsdp.add(moe.router.gate.weight)
+        else:
+            fully_shard(moe.router, mesh=dp_mesh, mp_policy=fp32, reshard_after_forward=reshard)
         if ep > 1:
             edp_names = ["dp_replicate", "efsdp"] if parallel_dims.dp_replicate_enabled else ["efsdp"]
             edp_mesh = parallel_dims.get_mesh(edp_names)
@@ -125,7 +133,7 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
             else:
                 shard_experts(moe.experts, edp_mesh, ep, mp, reshard)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard,
-                    ignored_params=unsharded_experts & set(block.parameters()))
+                    ignored_params=(unsharded_experts | outside_fsdp) & set(block.parameters()))
     fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, ignored_params=unsharded_experts | outside_fsdp)
     if unsharded_experts:  # their working copies current before the (compiled) blocks read them
@@ -138,7 +146,8 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
     use_sum_reductions(model)
     logger.info(f"Applied FSDP2 over {list(dp_mesh.mesh_dim_names)} {tuple(dp_mesh.shape)}, EP = {ep}"
                 + (", experts outside FSDP2 (one rank per expert shard)" if unsharded_experts else "")
-                + (", the embedding sharded by rows" if outside_fsdp else ""))
+                + (", the embedding sharded by rows" if model.tok_embeddings.weight in outside_fsdp else "")
+                + (", the routers' gates sharded by rows" if gate_rows else ""))
 
 
 def embedding_by_rows(setting: str, model: nn.Module, dp_mesh) -> bool:
@@ -149,11 +158,26 @@ def embedding_by_rows(setting: str, model: nn.Module, dp_mesh) -> bool:
     why_not = ("HSDP replicates it (a 2-D mesh)" if dp_mesh.ndim != 1 else
                "its FSDP group has one rank" if dp_mesh.size() == 1 else
                "the output layer shares its weight (enable_weight_tying)" if tied else None)
+    return by_rows("embedding", setting, why_not, "the embedding")
+
+
+def router_by_rows(setting: str, model: nn.Module, dp_mesh) -> bool:
+    """[parallelism] router: whether each router keeps its gate's rows on their ranks and gathers them itself
+    (parallel/router_gate.py) instead of an FSDP2 group of its own: on a 1-D FSDP mesh of more than one rank
+    whose size divides the experts. 'rows' refuses anything else, 'auto' takes FSDP2 there."""
+    router = next(iter(model.layers.values())).moe.router
+    why_not = gate_rows_problem(dp_mesh, router.num_experts)
+    return by_rows("router", setting, why_not, "each router's gate")
+
+
+def by_rows(key: str, setting: str, why_not: str | None, what: str) -> bool:
+    """[parallelism] `key` = `setting` ('auto', 'fsdp' or 'rows'), where sharding `what` by rows is impossible
+    for the reason `why_not` (None: possible): whether to shard it by rows; 'rows' where it cannot is an error."""
     if setting == "fsdp" or (setting == "auto" and why_not):
         return False
     if why_not:
-        raise ConfigError(f"[parallelism] embedding = 'rows' shards the embedding by rows over FSDP's ranks, but "
-                          f"{why_not}: use 'fsdp' or 'auto'")
+        raise ConfigError(f"[parallelism] {key} = 'rows' shards {what} by rows over FSDP's ranks, but {why_not}: "
+                          "use 'fsdp' or 'auto'")
     return True
 
 

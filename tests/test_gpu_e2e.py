@@ -160,9 +160,10 @@ def test_a_training_step_never_makes_the_host_wait_for_the_gpu(tmp_path):
     # CUDA's sync debug mode over whole train steps that log nothing (tests/host_reads.py): no read-back,
     # no blocking copy of a batch, no synchronize. torchtitan's own step had 4 (the token count's copy and
     # read-back, the inputs' and labels' copies): each drained the GPU before the host launched the forward.
+    # (the all-to-all dispatcher needs EP > 1: one GPU runs the local one)
     nproc = min(2, torch.cuda.device_count())
-    ep = ["--parallelism.expert_parallel_degree", str(nproc), "--dispatch.backend", "all_to_all",
-          "--dispatch.buffers", "worst_case"]
+    ep = (["--parallelism.expert_parallel_degree", "2", "--dispatch.backend", "all_to_all", "--dispatch.buffers",
+           "worst_case"] if nproc == 2 else ["--dispatch.backend", "local"])
     plan = [{"host_syncs": [*ep, "--training.mixed_precision_param", "bfloat16", "--kernels.backend", "triton",
                             "--job.dump_folder", str(tmp_path / "run")], "out": str(tmp_path / "syncs.json")}]
     torchrun_plan(plan, tmp_path, nproc=nproc)

@@ -214,6 +214,24 @@ def test_kernels_count_in_the_step_that_launched_them_when_the_gpu_runs_behind(t
     assert first["gpu_busy_ms"] == 0 and second["gpu_busy_ms"] == pytest.approx(0.6)
 
 
+def test_a_kernel_launched_before_the_trace_counts_in_no_step(tmp_path):
+    """The profiler's warm-up step launched an AdamW kernel whose launch the trace does not hold (correlation
+    3); it runs at 200-500, inside step 4's host range, behind the GPU's backlog. Step 4 launches its own at
+    900 (run at 1200-1500): one AdamW kernel a step, not two in step 4 (session 13's trace counted AdamW at
+    26.8 ms a step for its 20.1)."""
+    events = [event("ProfilerStep#4", "user_annotation", 0, 1000, pid=1, tid=1),
+              event("ProfilerStep#5", "user_annotation", 1000, 1000, pid=1, tid=1),
+              event("_adamw_kernel", "kernel", 200, 300, pid=0, tid=7, args={"correlation": 3}),
+              event("cudaLaunchKernel", "cuda_runtime", 900, 5, pid=1, tid=1, args={"correlation": 4}),
+              event("_adamw_kernel", "kernel", 1200, 300, pid=0, tid=7, args={"correlation": 4}),
+              event("cudaLaunchKernel", "cuda_runtime", 1900, 5, pid=1, tid=1, args={"correlation": 5}),
+              event("_adamw_kernel", "kernel", 1950, 300, pid=0, tid=7, args={"correlation": 5})]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    result = step_profile.breakdown(step_profile.load(tmp_path / "t.json"))
+    assert result["kernels"]["_adamw_kernel"]["calls"] == 1.0
+    assert result["kernels"]["_adamw_kernel"]["ms"] == pytest.approx(0.3)
+
+
 def test_compute_stream_idle_goes_to_the_kernel_running_beside_each_gap(tmp_path):
     """Two steps. The compute stream (7, the most kernel time) runs K1 100-300, K2 500-600 and K3 700-800 in
     step 0 and K4 1100-1150 in step 1; stream 20 runs DeepEP's dispatch 250-480 (through most of the gap

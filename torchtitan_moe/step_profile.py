@@ -192,11 +192,15 @@ def breakdown(events: list[Event]) -> dict:
 
 def launched_in_steps(steps: list[Event], gpu: list[Event], launched_by: dict[int, Event]) -> list[list[Event]]:
     """Each step's GPU events: those whose launching runtime call (same correlation id) lies in the step's
-    host range, or, for an event without one in the trace, those starting in it."""
+    host range, or, for an event without a correlation id or in a trace without launches, those starting in
+    it. An event whose launch is missing from a trace that has launches was launched before the trace began
+    (in the profiler's warm-up step: the GPU runs behind the host) and belongs to no profiled step."""
     starts = [step.start for step in steps]
     launched: list[list[Event]] = [[] for _ in steps]
     for e in gpu:
         launch = launched_by.get(e.correlation)
+        if launch is None and launched_by and e.correlation is not None:
+            continue
         t = launch.start if launch is not None else e.start
         i = bisect.bisect_right(starts, t) - 1
         if i >= 0 and t < steps[i].end:

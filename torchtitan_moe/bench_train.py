@@ -25,9 +25,11 @@ one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buff
 `--vary optimizer.moments_dtype=float32,bfloat16`. Every combination is checked as a config first.
 
 --repeat K trains every variant K times, in K rounds of all variants (so a slow spell of the machine falls on
-every variant alike): the table gives the median of the runs' tokens/s with their range, and --vary's
-ratios are the median of each round's ratio, with their range. On 2 H200s one setting's runs spread by up to 6%
-(worklogs/2026-11-26-session3-h200x2.md): a change of 1-2% needs several rounds to show.
+every variant alike), every second round in the reverse order (A B, B A, ...: on 2 H200s the second of two
+runs ran ~1% faster in either order, worklogs/2026-11-27-session13-h200x2.md): the table gives the median of
+the runs' tokens/s with their range, and --vary's ratios are the median of each round's ratio, with their range.
+On 2 H200s one setting's runs spread by up to 6% (worklogs/2026-11-26-session3-h200x2.md): a change of 1-2%
+needs several rounds to show.
 
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
@@ -340,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {v.name: [] for v in variants}
     failed: dict[str, dict] = {}
     for round_ in range(1, args.repeat + 1):
-        for i, v in enumerate(variants, 1):
+        for i, v in enumerate(variants if round_ % 2 else variants[::-1], 1):
             if v.name in failed:
                 continue
             slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", v.name) + (f"_run{round_}" if args.repeat > 1 else "")

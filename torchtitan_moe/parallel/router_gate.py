@@ -2,8 +2,8 @@
 
 Under FSDP2 each block's router is a group of its own, its gate fp32 where the block all-gathers bf16:
 two groups a layer. Its forward pre-hook and post-backward hook cost the host about 1 ms each a layer
-for a 0.5 MB all-gather and reduce-scatter (rank 0's profile of 30B-A3B-8l at EP = 2, local batch 4,
-2 H200s: worklogs/2026-11-27-session13-h200x2.md), where local batch 2 waits for the host. Here each
+(profiled) for a 0.5 MB all-gather and reduce-scatter (rank 0's profile of 30B-A3B-8l at EP = 2, local
+batch 4, 2 H200s: worklogs/2026-11-27-session13-h200x2.md), where local batch 2 waits for the host. Here each
 rank keeps the shard FSDP2 would (a DTensor, Shard(0) on the same mesh: checkpoints, the sharded init,
 the clip and the optimizer see the same parameter) and the router's forward gathers it:
 
@@ -11,9 +11,9 @@ the clip and the optimizer see the same parameter) and the router's forward gath
     backward  reduce-scatter the gate's fp32 gradient [E, D] -> this rank's rows [E/W, D], summed over
               the ranks (FSDP2's reduction of the router: fp32, a sum, see use_sum_reductions)
 
-The gradient of each gate row is the same sum of the same two fp32 terms as FSDP2's: the two ways train
-to the bit (tests/test_router_gate_rows.py). A 1-D mesh whose size divides the experts (every rank the
-same number of rows: one collective of equal parts, no padding).
+Each gate row's gradient is the same fp32 reduce-scatter of the same terms as FSDP2's (its router group
+holds the gate alone): the two ways train to the bit (tests/test_train_cpu.py). A 1-D mesh whose size
+divides the experts (every rank the same number of rows: one collective of equal parts, no padding).
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 
 from spawn_ranks import rank_group, run_ranks
+from test_embedding_rows import FakeMesh
 from torchtitan_moe.moe.router import Router
 from torchtitan_moe.parallel.router_gate import gate_rows_problem, gathered_gate, shard_gate_rows
 
@@ -64,14 +65,6 @@ def routing_worker(rank: int, world: int, port: int, failures) -> None:
 
 def test_the_sharded_router_routes_as_the_plain_one():
     run_ranks(routing_worker, 2)
-
-
-class FakeMesh:
-    def __init__(self, *shape: int):
-        self.ndim, self._size = len(shape), int(torch.tensor(shape).prod())
-
-    def size(self) -> int:
-        return self._size
 
 
 @pytest.mark.parametrize("mesh, problem", [

@@ -23,12 +23,16 @@ from ._backend import use_triton
 TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def sum_of_squares_reference(tensors: list[torch.Tensor]) -> torch.Tensor:
-    by_dtype = defaultdict(list)
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    groups = defaultdict(list)
     for t in tensors:
-        by_dtype[t.dtype].append(t)
+        groups[t.dtype].append(t)
+    return groups
+
+
+def sum_of_squares_reference(tensors: list[torch.Tensor]) -> torch.Tensor:
     squares = [torch.stack(torch._foreach_norm(group, 2.0, dtype=torch.promote_types(dtype, torch.float32)))
-               .square().sum() for dtype, group in by_dtype.items()]
+               .square().sum() for dtype, group in _by_dtype(tensors).items()]
     wide = torch.float64 if any(s.dtype == torch.float64 for s in squares) else torch.float32
     return torch.stack([s.to(wide) for s in squares]).sum()
 
@@ -60,8 +64,5 @@ def sum_of_squares(tensors: list[torch.Tensor], backend: str = "triton") -> torc
         if t.dtype not in TRITON_DTYPES or not t.is_contiguous():
             raise ValueError(f"sum_of_squares: tensor {i} must be contiguous fp32, bf16 or fp16 for backend='triton', "
                              f"got {t.dtype}{'' if t.is_contiguous() else ', not contiguous'}; use backend='torch'")
-    by_dtype = defaultdict(list)
-    for t in tensors:
-        by_dtype[t.dtype].append(t)
-    sums = [_sum_of_squares_triton(group) for group in by_dtype.values()]
+    sums = [_sum_of_squares_triton(group) for group in _by_dtype(tensors).values()]
     return sums[0] if len(sums) == 1 else torch.stack(sums).sum()

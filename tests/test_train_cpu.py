@@ -55,12 +55,6 @@ RUNS = {
 RUNS["recipe_torchtitan_step"] = RUNS["recipe"]
 # The routers' gates sharded by rows ([parallelism] router = "auto" here) against FSDP2's router groups.
 RUNS["recipe_router_fsdp"] = [*RUNS["recipe"], "--parallelism.router", "fsdp"]
-# [dispatch] overlap = "wgrad" against the plain backward: the all_gather dispatcher, bf16 working copies whose
-# fp32 masters (EP-sharded DTensors) accumulate 2 micro-batches.
-RUNS["all_gather_bf16"] = ["--training.steps", "3", "--parallelism.expert_parallel_degree", "2",
-                           "--training.mixed_precision_param", "bfloat16", "--training.global_batch_size", "32",
-                           "--dispatch.backend", "all_gather"]
-RUNS["all_gather_bf16_wgrad"] = [*RUNS["all_gather_bf16"], "--dispatch.overlap", "wgrad"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
 # step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
 # torch's fused AdamW and with ours (bf16 moments, and fp32 moments: [optimizer] update = "triton").
@@ -214,15 +208,6 @@ def test_gates_sharded_by_rows_train_as_fsdp_router_groups_to_the_bit(runs):
     rows, fsdp = runs["recipe"], runs["recipe_router_fsdp"]
     assert len(rows) == 3
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in fsdp]
-
-
-def test_deferred_expert_weight_gradients_train_to_the_bit(runs, launched):
-    # The same GEMMs on the same tensors, run later (under the backward exchanges): the same gradients, so the
-    # same losses and grad norms over 3 steps of 2 micro-batches.
-    wgrad, plain = runs["all_gather_bf16_wgrad"], runs["all_gather_bf16"]
-    assert len(wgrad) == 3
-    assert [(r["loss"], r["grad_norm"]) for r in wgrad] == [(r["loss"], r["grad_norm"]) for r in plain]
-    assert (launched / "harness.log").read_text().count("[dispatch] overlap = 'wgrad'") == 2  # one line a rank
 
 
 def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):

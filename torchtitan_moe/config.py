@@ -113,11 +113,9 @@ class Dispatch:
     """EP > 1: 'exact' sizes the received rows from their counts (one host sync per MoE layer);
     'worst_case' for the most a rank can receive: no host sync, more memory (dispatch/all_to_all.py)."""
 
-    overlap: Literal["none", "chunks", "wgrad"] = "none"
+    overlap: Literal["none", "chunks"] = "none"
     """EP > 1: 'chunks' splits each MoE layer's tokens in two, one chunk's dispatch or combine in
-    flight while the other's experts compute (moe/chunks.py; all_to_all and deepep); 'wgrad' defers the
-    experts' weight-gradient GEMMs to run while the all_gather dispatcher's backward exchanges travel
-    (seam.WeightGradients; the experts outside FSDP2, as at EP = the data-parallel degree)."""
+    flight while the other's experts compute (moe/chunks.py); opt-in, not yet measured at EP = 2."""
 
 
 @dataclass
@@ -411,11 +409,9 @@ def check_dispatch(cfg: Any, ep: int) -> None:
     if backend == "all_gather":
         _need(ep == 2, f"[dispatch] backend = 'all_gather' sends every token to every EP rank: it takes "
                        f"[parallelism] expert_parallel_degree = 2, got {ep}; use 'deepep' or 'all_to_all'")
-        _need(cfg.dispatch.overlap != "chunks", "[dispatch] backend = 'all_gather' has no chunked overlap (its "
-                                                "exchanges finish where they start): set overlap = 'none' or 'wgrad'")
-    _need(cfg.dispatch.overlap != "wgrad" or backend in ("all_gather", "auto"),
-          f"[dispatch] overlap = 'wgrad' runs the experts' weight gradients under the all_gather dispatcher's backward "
-          f"exchanges: it needs backend = 'all_gather' (or 'auto'), got {backend!r}")
+        _need(cfg.dispatch.overlap == "none", f"[dispatch] backend = 'all_gather' has no chunked overlap (its "
+                                              f"exchanges finish where they start): set overlap = 'none', got "
+                                              f"{cfg.dispatch.overlap!r}")
     _need(cfg.dispatch.overlap == "none" or ep > 1,
           f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
           f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")

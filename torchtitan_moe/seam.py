@@ -23,8 +23,6 @@ the seam's own: a sort on this rank, the default of a layer used on its own.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -99,43 +97,6 @@ class Dispatcher(Protocol):
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Pending[ExpertBatch]: ...
 
     def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Pending[torch.Tensor]: ...
-
-
-class WeightGradients:
-    """The experts' weight-gradient GEMMs of a backward pass, deferred to run under the dispatchers' backward
-    exchanges ([dispatch] overlap = "wgrad"): shared by every layer's experts and dispatcher.
-
-    A dispatcher's backward has nothing of its own to compute while its rows travel: the experts' input
-    gradients are what it sends, and what it receives the layer below waits for. Their weight gradients
-    are needed only by the optimizer. So the experts queue them (`defer`), and each backward exchange runs
-    the oldest one (`run_one`) between queueing its copies and waiting for them; going down the layers,
-    a layer's w2 gradient runs under its own dispatch's backward and its w13 gradient under the next
-    layer's combine backward. Whatever is left when the backward pass ends runs then (an autograd
-    callback), so the gradients are complete when `backward()` returns. The GEMMs are the same calls on the
-    same tensors: the gradients are bitwise those of the plain backward; held longer, their inputs (at
-    most two GEMMs' worth) add to the backward's memory.
-    """
-
-    def __init__(self):
-        self.pending: deque[Callable[[], None]] = deque()
-        self._callback_queued = False
-
-    def defer(self, gradient: Callable[[], None]) -> None:
-        """Queue `gradient` (computes a weight gradient and accumulates it); call inside a backward pass."""
-        self.pending.append(gradient)
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self.run_all)
-            self._callback_queued = True
-
-    def run_one(self) -> None:
-        """Run the oldest deferred gradient, if any (a dispatcher calls this while its copies travel)."""
-        if self.pending:
-            self.pending.popleft()()
-
-    def run_all(self) -> None:
-        self._callback_queued = False
-        while self.pending:
-            self.pending.popleft()()
 
 
 class Done(Generic[T]):

@@ -12,10 +12,6 @@ memory, on the GPU's copy engines: no SM is held while the experts' persistent g
     start_combine   y [N, D] ─combine─► the other rank's tokens [T, D] ─pushed─► ... beside: ─combine─►
                     our tokens [T, D]; every rank's sums for our tokens added in rank order ─► [T, D]
 
-With [dispatch] overlap = "wgrad" each backward exchange runs one of the experts' deferred weight-gradient
-GEMMs between queueing its copies and waiting for them (seam.WeightGradients): the backward's copies
-(128 MiB a layer at 30B-A3B shapes, local batch 4) travel under a GEMM instead of an idle GPU.
-
 Rank r's partial sum of a token is its experts' outputs summed in fp32 and rounded to bf16 (ops.combine),
 the two ranks' partials summed in fp32 in rank order and rounded once: DeepEP's combine sums the same
 bf16 partials in that order. Backward: the all-gather's adjoint is the reduce-scatter of the rows' and
@@ -40,7 +36,7 @@ from torchtitan_moe import ops
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport, PeerMemoryUnavailable
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.seam import ExpertBatch, Routing, WeightGradients, expert_major
+from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
 
 EP_SIZES = (2,)
 
@@ -65,8 +61,8 @@ class _AllGather(torch.autograd.Function):
     recompute stops once it has the tensors backward needs, before the combine's exchange)."""
 
     @staticmethod
-    def forward(ctx, x, probs, transport, results, kept, later):
-        ctx.transport, ctx.kept, ctx.later = transport, kept, later
+    def forward(ctx, x, probs, transport, results, kept):
+        ctx.transport, ctx.kept = transport, kept
         ctx.shapes = [(r.shape, r.dtype, r.device) for r in results]
         ctx.set_materialize_grads(False)
         return results[0], results[1]
@@ -77,8 +73,8 @@ class _AllGather(torch.autograd.Function):
         # A collective: every rank sends both, zeros for a gradient it does not have.
         grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                  for g, (shape, dtype, device) in zip((grad_x, grad_probs), ctx.shapes)]
-        dx, dprobs = ctx.transport.reduce_scatter(grads, beside=ctx.later and ctx.later.run_one)
-        return dx, dprobs, None, None, None, None
+        dx, dprobs = ctx.transport.reduce_scatter(grads)
+        return dx, dprobs, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -94,7 +90,7 @@ class _Combine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         d = ctx.dispatcher
-        (gathered,) = d.transport.all_gather([grad], beside=d.weight_gradients and d.weight_gradients.run_one)
+        (gathered,) = d.transport.all_gather([grad])
         return ops.gather_rows(gathered, ctx.index, backend=d.kernels), None, None, None
 
 
@@ -116,8 +112,6 @@ class AllGatherDispatcher(ReplaysExchanges):
         self.kernels = kernels
         self.checked_tokens = 0  # the tokens per rank every rank was found to have
         self._sent = None  # (x, its started all-gather) from send_tokens, for start_dispatch
-        # [dispatch] overlap = "wgrad": the experts' deferred weight gradients, one run under each backward exchange.
-        self.weight_gradients: WeightGradients | None = None
 
     @torch.compiler.disable
     def send_tokens(self, x: torch.Tensor) -> None:
@@ -163,8 +157,7 @@ class AllGatherDispatcher(ReplaysExchanges):
                 (gathered_x,), (experts, probs) = sent[1].wait(), routed.wait()
             if self.keep_exchanges and torch.is_grad_enabled():  # the inbox is reused: keep copies
                 self._keep((gathered_x.clone(), experts.clone(), probs.clone()))
-        gathered_x, probs = _AllGather.apply(x, routing.probs, self.transport, [gathered_x, probs], self._kept,
-                                             self.weight_gradients)
+        gathered_x, probs = _AllGather.apply(x, routing.probs, self.transport, [gathered_x, probs], self._kept)
         return gathered_x, experts, probs
 
     def _start_gather(self, x: torch.Tensor):

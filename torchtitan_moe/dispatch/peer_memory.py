@@ -13,8 +13,7 @@ GPU's front end waits for a flag, no kernel spins.
                                          in fp32, rounded once to t's dtype (DeepEP's combine sums so)
 
 Each in two halves, so that work can run while the copies do: start_all_gather(tensors).wait(), and
-start_reduce_scatter({q: rank q's parts}).finish(our parts) (our parts computed after the others' left); the
-whole calls take `beside`, work queued between the halves (the experts' deferred weight gradients).
+start_reduce_scatter({q: rank q's parts}).finish(our parts) (our parts computed after the others' left).
 
 Every rank must make the same calls in the same order with the same shapes (equal tokens per rank).
 
@@ -36,7 +35,6 @@ from __future__ import annotations
 import ctypes
 import math
 import socket
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,11 +81,11 @@ class CollectiveTransport:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
-    def all_gather(self, tensors: list[torch.Tensor], beside: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        return _all_gather(self, tensors, beside)
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.start_all_gather(tensors).wait()
 
-    def reduce_scatter(self, tensors: list[torch.Tensor], beside: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        return _reduce_scatter(self, tensors, beside)
+    def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _reduce_scatter(self, tensors)
 
     def start_all_gather(self, tensors: list[torch.Tensor]) -> _Finished:
         return _Finished([torch.cat(self._gather(t)) for t in tensors])
@@ -119,17 +117,8 @@ class _Finished:
         return self.result(own)
 
 
-def _all_gather(transport, tensors: list[torch.Tensor], beside: Callable[[], None] | None) -> list[torch.Tensor]:
-    """The whole call from its halves; `beside` (if any) queues work between them, while the copies travel."""
-    pending = transport.start_all_gather(tensors)
-    if beside is not None:
-        beside()
-    return pending.wait()
-
-
-def _reduce_scatter(transport, tensors: list[torch.Tensor], beside: Callable[[], None] | None) -> list[torch.Tensor]:
-    """The whole call from its halves: rank q's rows of each tensor [P T, ...] to q, ours kept; `beside` as
-    in _all_gather."""
+def _reduce_scatter(transport, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The whole call from its halves: rank q's rows of each tensor [P T, ...] to q, ours kept."""
     for t in tensors:
         if t.shape[0] % transport.size:
             raise ValueError(f"reduce_scatter: {t.shape[0]} rows do not split into {transport.size} equal parts")
@@ -139,10 +128,7 @@ def _reduce_scatter(transport, tensors: list[torch.Tensor], beside: Callable[[],
         return [t[q * r:(q + 1) * r] for t, r in zip(tensors, rows)]
 
     peers = {q: part(q) for q in range(transport.size) if q != transport.rank}
-    pending = transport.start_reduce_scatter(peers)
-    if beside is not None:
-        beside()
-    return pending.finish(part(transport.rank))
+    return transport.start_reduce_scatter(peers).finish(part(transport.rank))
 
 
 class _Driver:
@@ -231,11 +217,11 @@ class PeerMemoryTransport:
 
     # -- the two calls, each in two halves ----------------------------------------------------
 
-    def all_gather(self, tensors: list[torch.Tensor], beside: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        return _all_gather(self, tensors, beside)
+    def all_gather(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.start_all_gather(tensors).wait()
 
-    def reduce_scatter(self, tensors: list[torch.Tensor], beside: Callable[[], None] | None = None) -> list[torch.Tensor]:
-        return _reduce_scatter(self, tensors, beside)
+    def reduce_scatter(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return _reduce_scatter(self, tensors)
 
     def start_all_gather(self, tensors: list[torch.Tensor]) -> _Gathering:
         """Queue the pushes of `tensors` [T, ...] to every rank (and to our own inbox); `.wait()` makes

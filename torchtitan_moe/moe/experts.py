@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_moe import ops
-from torchtitan_moe.seam import ExpertBatch, WeightGradients
+from torchtitan_moe.seam import ExpertBatch
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -53,46 +53,10 @@ class _WorkingCopy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return master_gradient(grad, ctx.kernels), None, None
-
-
-def master_gradient(grad: torch.Tensor, kernels: str) -> torch.Tensor:
-    """A working copy's gradient (bf16 or fp16) as its fp32 master's."""
-    if grad.dtype != torch.bfloat16:  # an fp16 working copy: torch's cast
-        return grad.to(torch.float32)
-    grad = grad if ops.upcast_takes(grad) else grad.contiguous()
-    return ops.upcast(grad, backend=kernels)
-
-
-def accumulate(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """param.grad += grad (set where None), as autograd accumulates a leaf's gradient; `grad` is the local
-    tensor of a DTensor parameter's (the experts' EP shard)."""
-    if isinstance(param, DTensor):
-        grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())
-    if param.grad is None:
-        param.grad = grad
-    else:
-        param.grad += grad
-
-
-class _WeightGradientLater(torch.autograd.Function):
-    """y = ops.grouped_mm(x, w, offsets) whose backward returns dx and queues dw in `later` (seam.WeightGradients),
-    handed to `sink` when it runs. `w` is a working copy (no autograd of its own): `sink` accumulates."""
-
-    @staticmethod
-    def forward(ctx, x, w, offsets, later, sink):
-        ctx.save_for_backward(x, w, offsets)
-        ctx.later, ctx.sink = later, sink
-        return ops.grouped_mm(x, w, offsets)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, w, offsets = ctx.saved_tensors
-        dy = dy.contiguous()
-        sink = ctx.sink
-        ctx.later.defer(lambda: sink(ops.grouped_mm_weight_gradient(x, dy, w, offsets)))
-        return ops.grouped_mm_input_gradient(dy, w, offsets), None, None, None, None
+        if grad.dtype != torch.bfloat16:  # an fp16 working copy: torch's cast
+            return grad.to(torch.float32), None, None
+        grad = grad if ops.upcast_takes(grad) else grad.contiguous()
+        return ops.upcast(grad, backend=ctx.kernels), None, None
 
 
 class GroupedExperts(nn.Module):
@@ -114,8 +78,6 @@ class GroupedExperts(nn.Module):
         # reaching the masters in fp32: set by optimizer.keep_expert_gradients where one backward makes a
         # step's gradient and our optimizer and clipping read them (through `gradient`).
         self.working_gradients = False
-        # [dispatch] overlap = "wgrad" (set by parallelization): the weight gradients wait here for a backward exchange.
-        self.deferred: WeightGradients | None = None
         self.register_load_state_dict_post_hook(lambda module, keys: module.mark_working_stale())
 
     def init_weights(self, out_std: float) -> None:
@@ -202,38 +164,16 @@ class GroupedExperts(nn.Module):
         dtype = self.compute_dtype(device)
         return w13.to(dtype), w2.to(dtype)  # autograd keeps the cast copies for backward
 
-    def weight_sink(self, name: str):
-        """Where a deferred gradient of weight `name`'s working copy goes: the copy's .grad, or the master's in fp32."""
-        if self.working_gradients:
-            return lambda grad: accumulate(self.working[name], grad.transpose(-2, -1))
-        master = getattr(self, name)
-        return lambda grad: accumulate(master, master_gradient(grad.transpose(-2, -1), self.kernels))
-
     def forward(self, batch: ExpertBatch) -> torch.Tensor:
         """batch.x [N, D] -> y [N, D]; rows past batch.num_rows are left undefined."""
         if not torch.compiler.is_compiling():
             self.refresh_working_copies()
         dtype = self.compute_dtype(batch.x.device)
-        x = batch.x.to(dtype)
-        if self.deferred is not None and torch.is_grad_enabled():
-            return self._forward_deferring(x, batch)
         w13, w2 = self.gemm_weights(batch.x.device)
+        x = batch.x.to(dtype)
         ab = ops.grouped_mm(x, w13.transpose(-2, -1), batch.offsets)
         h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)
         return ops.grouped_mm(h, w2.transpose(-2, -1), batch.offsets)
-
-
-    @torch.compiler.disable  # its backward queues Python work: eager, also inside a compiled layer
-    def _forward_deferring(self, x: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
-        """forward, the weight gradients left to `deferred` ([dispatch] overlap = "wgrad")."""
-        if not self.has_working_copies or autocast_dtype(x.device) is not None:
-            raise RuntimeError("GroupedExperts: [dispatch] overlap = 'wgrad' defers the gradients of the experts' "
-                               "working copies; these experts have none (under FSDP2, autocast or fp32 GEMMs)")
-        self.refresh_working_copies()
-        w13, w2 = self.working["w13"].detach(), self.working["w2"].detach()
-        ab = _WeightGradientLater.apply(x, w13.transpose(-2, -1), batch.offsets, self.deferred, self.weight_sink("w13"))
-        h = ops.swiglu_prob(ab, batch.probs, batch.num_rows, backend=self.kernels)
-        return _WeightGradientLater.apply(h, w2.transpose(-2, -1), batch.offsets, self.deferred, self.weight_sink("w2"))
 
 
 @torch.no_grad()

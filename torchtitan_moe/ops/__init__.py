@@ -33,7 +33,7 @@ from .copy_check import copies_differ, copies_differ_reference
 from .sum_of_squares import sum_of_squares, sum_of_squares_reference
 from .gate import gate_logits, gate_logits_reference
 from .cross_entropy import linear_cross_entropy, linear_cross_entropy_reference
-from .grouped_mm import grouped_mm, input_gradient as grouped_mm_input_gradient, weight_gradient as grouped_mm_weight_gradient
+from .grouped_mm import grouped_mm
 from .permute import RoutingIndex, routing_index, routing_index_reference
 from .send_plan import send_meta, send_meta_reference, send_plan, send_plan_reference
 from .swiglu_prob import swiglu_prob, swiglu_prob_reference
@@ -42,8 +42,6 @@ from .upcast import upcast, upcast_reference, upcast_takes
 __all__ = [
     "RoutingIndex",
     "grouped_mm",
-    "grouped_mm_input_gradient",
-    "grouped_mm_weight_gradient",
     "routing_index",
     "routing_index_reference",
     "gather_rows",

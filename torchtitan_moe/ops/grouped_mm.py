@@ -12,9 +12,6 @@ and its backward is two more grouped GEMMs, which this op's backward calls by na
 
     dx = grouped_mm(dy, w^T)    dw[e] = x[group e]^T @ dy[group e]   (grouped_mm_weight)
 
-(`input_gradient` and `weight_gradient`, also called apart: the experts may run the second later,
-under a dispatcher's backward exchange: moe/experts.py.)
-
 dw is computed in w's memory layout (for a transposed view of an [E, F, D] weight, as
 dy^T @ x, then viewed back), so accumulating it never transposes a whole weight.
 """
@@ -66,25 +63,18 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dy):
     x, w, offsets = ctx.saved_tensors
     dy = dy.contiguous()  # grouped_mm needs 16-byte aligned strides; an autograd seed may be expanded
-    dx = input_gradient(dy, w, offsets) if ctx.needs_input_grad[0] else None
-    dw = weight_gradient(x, dy, w, offsets) if ctx.needs_input_grad[1] else None
+    dx = _grouped_mm(dy, w.transpose(-2, -1), offsets) if ctx.needs_input_grad[0] else None
+    dw = None
+    if ctx.needs_input_grad[1]:
+        if w.stride(-2) == 1 and w.stride(-1) != 1:
+            # w is the transposed view of a weight stored [E, F, D] (the experts' layout): compute
+            # dw in that layout, so the gradient has the weight's strides. A [E, D, F] gradient
+            # would cost a transposing elementwise pass over the whole weight when it is
+            # accumulated (15% of the layer at dim 4096, expert dim 14336; see the worklog).
+            dw = _grouped_mm_weight(dy, x, offsets).transpose(-2, -1)
+        else:
+            dw = _grouped_mm_weight(x, dy, offsets)
     return dx, dw, None
-
-
-def input_gradient(dy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """dx [N, D] of y = grouped_mm(x, w, offsets), from dy [N, F] (contiguous)."""
-    return _grouped_mm(dy, w.transpose(-2, -1), offsets)
-
-
-def weight_gradient(x: torch.Tensor, dy: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """dw [E, D, F] of y = grouped_mm(x, w, offsets), from dy [N, F] (contiguous), with w's strides."""
-    if w.stride(-2) == 1 and w.stride(-1) != 1:
-        # w is the transposed view of a weight stored [E, F, D] (the experts' layout): compute
-        # dw in that layout, so the gradient has the weight's strides. A [E, D, F] gradient
-        # would cost a transposing elementwise pass over the whole weight when it is
-        # accumulated (15% of the layer at dim 4096, expert dim 14336; see the worklog).
-        return _grouped_mm_weight(dy, x, offsets).transpose(-2, -1)
-    return _grouped_mm_weight(x, dy, offsets)
 
 
 _grouped_mm.register_autograd(_backward, setup_context=_setup_context)

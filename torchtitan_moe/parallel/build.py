@@ -19,7 +19,6 @@ from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.parallel.choose import choose_dispatcher
 from torchtitan_moe.parallel.tuned import Shape
 from torchtitan_moe.moe.layer import MoE
-from torchtitan_moe.seam import WeightGradients
 
 logger = logging.getLogger(__name__)
 
@@ -67,11 +66,6 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
 
         backend = DeepEPV1(group, choice.settings, shape.hidden)
     buffers = job_config.dispatch.buffers
-    # [dispatch] overlap = "wgrad": one queue for every layer's experts and dispatcher (a layer's w13 gradient
-    # runs under the next layer's exchange)
-    later = WeightGradients() if choice.backend == "all_gather" and job_config.dispatch.overlap == "wgrad" else None
-    if later is not None:
-        logger.info("[dispatch] overlap = 'wgrad': the experts' weight-gradient GEMMs run under the backward exchanges")
     for moe in moes:
         if choice.backend == "local":
             moe.set_dispatcher(moe.local_dispatcher(device))
@@ -83,6 +77,5 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
             moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels, buffers=buffers))
         elif choice.backend == "all_gather":
             moe.set_dispatcher(AllGatherDispatcher(moe.num_experts, backend, align=align, kernels=kernels))
-            moe.dispatcher.weight_gradients = moe.experts.deferred = later
         else:
             moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels, buffers=buffers))

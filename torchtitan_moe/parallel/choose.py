@@ -96,12 +96,6 @@ def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, 
         return Choice("deepep", settings, f"deepep: {why}")
 
     # auto at EP > 1
-    if cfg.dispatch.overlap == "wgrad":  # what it overlaps is the all_gather dispatcher's
-        blocker = _all_gather_blocker(cfg, shape, group, device_sms)
-        if blocker:
-            raise ConfigError(f"[dispatch] overlap = 'wgrad' runs under the all_gather dispatcher's exchanges, but "
-                              f"{blocker}: use overlap = 'none'")
-        return Choice("all_gather", None, "auto: all_gather ([dispatch] overlap = 'wgrad' runs under its exchanges)")
     if entry is None:
         return Choice("all_to_all", None, f"auto: all_to_all, no tuned entry for {shape.describe()} in {path} "
                                           f"(measure with {TUNER})")
@@ -134,8 +128,8 @@ def _all_gather_blocker(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None
     """Why this run cannot use the all_gather dispatcher, or None. Collective over `group` on GPUs."""
     if shape.ep not in EP_SIZES:
         return f"it takes EP = 2, not {shape.ep}"
-    if cfg.dispatch.overlap == "chunks":
-        return "it has no [dispatch] overlap = 'chunks'"
+    if cfg.dispatch.overlap != "none":
+        return f"it has no [dispatch] overlap = {cfg.dispatch.overlap!r}"
     if device_sms is not None and group is not None:  # on GPUs: the copy-engine transport's peers
         return peers_problem(group)
     return None

@@ -132,7 +132,6 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
                 unsharded_experts |= set(moe.experts.parameters())
             else:
                 shard_experts(moe.experts, edp_mesh, ep, mp, reshard)
-            check_deferred_gradients(moe.experts, edp_mesh)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard,
                     ignored_params=(unsharded_experts | outside_fsdp) & set(block.parameters()))
     fully_shard([model.norm, model.output], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
@@ -197,19 +196,6 @@ def shard_experts(experts: nn.Module, edp_mesh, ep: int, mp: MixedPrecisionPolic
 def experts_outside_fsdp(edp_mesh) -> bool:
     """Whether the experts stay outside FSDP2: their data-parallel group has one rank."""
     return edp_mesh.size() == 1
-
-
-def check_deferred_gradients(experts: nn.Module, edp_mesh) -> None:
-    """[dispatch] overlap = 'wgrad' defers the gradients of the experts' working copies: outside FSDP2, in bf16."""
-    if experts.deferred is None:
-        return
-    if not experts_outside_fsdp(edp_mesh):
-        raise ConfigError(f"[dispatch] overlap = 'wgrad' defers the experts' weight gradients, which FSDP2 reduces "
-                          f"here (their data-parallel group has {edp_mesh.size()} ranks; it must have one: EP = the "
-                          "data-parallel degree): use overlap = 'none'")
-    if not experts.has_working_copies:
-        raise ConfigError("[dispatch] overlap = 'wgrad' defers the gradients of the experts' bf16 working copies: "
-                          "it needs [training] mixed_precision_param = 'bfloat16'")
 
 
 def keep_experts_unsharded(experts: nn.Module, param_dtype: torch.dtype) -> None:

@@ -3,7 +3,7 @@
 #
 # `kernels` (tests/ops, test_moe_layer, test_output_loss) and `e2e` (the files with `gpu` tests)
 # split it in two for machines lent by the call: on one H200 the whole tier took about 7 minutes at
-# 1dc59d4 and no longer fits a 400 s call at e072997. On 2 H200s at 4eeedc2: the kernel half 372 s; the e2e
+# 1dc59d4 and no longer fits a 400 s call at e072997. On 2 H200s at 4eeedc2: the kernel half 372 s (307 s at 47d5f44); the e2e
 # half over 600 s (its one-GPU tests 262 s with one GPU visible, its two-GPU tests past 300 s): two calls.
 #
 # Runs, on the GPU, the op and layer tests and every file with tests marked `gpu` (what the CPU

@@ -3,7 +3,7 @@
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
         [--modes eager,compiled] [--grad-accum 1,8] [--vary section.key=v1,v2 ...] [--log-freq 1]
-        [--repeat 1] [--seed 0] [--profile] [--out DIR] [-- --section.key value ...]
+        [--repeat 1] [--seed 0] [--gpu-power] [--profile] [--out DIR] [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
@@ -31,6 +31,10 @@ the runs' tokens/s with their range, and --vary's ratios are the median of each 
 On 2 H200s one setting's runs spread by up to 6% (worklogs/2026-11-26-session3-h200x2.md): a change of 1-2%
 needs several rounds to show.
 
+--gpu-power samples every GPU's power draw, SM clock and clock-limit reasons with nvidia-smi through each run
+(torchtitan_moe/gpu_power.py) and adds a table of their medians over each run's timed steps: a run slower
+because its GPUs ran slower (at the power cap, or hot) shows there; one slower at the same clocks points at the host.
+
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
 breakdown to the report: GPU busy and idle, launches, host syncs, GPU time per kernel class, the
@@ -41,6 +45,7 @@ rank 0's trace, and the ranks side by side where there are several.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -52,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from torchtitan_moe import step_profile
+from torchtitan_moe import gpu_power, step_profile
 from torchtitan_moe.parity import log_tail, override, run_training, settings_from, split_overrides
 from torchtitan_moe.parity_report import read_metrics
 
@@ -131,7 +136,37 @@ def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
     }
     if "mfu(%)" in timed[0]:
         result["mfu"] = statistics.median(r["mfu(%)"] for r in timed)
+    if "time" in timed[-1]:  # the timed steps ran from the last untimed step's log to the last timed one's
+        untimed = [r for r in records if r["step"] <= warmup]
+        result["window"] = ((untimed or timed)[-1]["time"], timed[-1]["time"])
     return result
+
+
+def gpus_during(samples: Path, run: dict) -> dict:
+    """Each GPU's medians (gpu_power.summarize) over the run's timed steps."""
+    if "window" not in run:
+        raise SystemExit("bench_train: --gpu-power needs the logged steps' times (metrics.jsonl's \"time\")")
+    return gpu_power.summarize(gpu_power.during(gpu_power.read_samples(samples), *run["window"]))
+
+
+def gpu_table(variants: list[Variant], results: dict[str, dict]) -> str:
+    """One row per run: tokens/s/GPU beside each GPU's median SM clock and power, and the share of samples
+    at the power cap or held by heat (GPUs in index order, " / " between them)."""
+    lines = ["| variant | run | tokens/s/GPU | SM MHz | W | at the power cap | held by heat |",
+             "|---|---|---|---|---|---|---|"]
+    for v in variants:
+        r = results[v.name]
+        if "failed" in r:
+            continue
+        for i, (tps, gpus) in enumerate(zip(r.get("tps_runs", [r["tps"]]), r.get("gpus_runs", [r.get("gpus")])), 1):
+            if not gpus:
+                lines.append(f"| {v.name} | {i} | {tps:,.0f} | no samples | | | |")
+                continue
+            cells = [" / ".join(fmt.format(g[key]) for g in gpus.values())
+                     for key, fmt in (("sm_mhz", "{:,.0f}"), ("watts", "{:.0f}"), ("power_cap", "{:.0%}"),
+                                      ("thermal", "{:.0%}"))]
+            lines.append(f"| {v.name} | {i} | {tps:,.0f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def combine_runs(runs: list[dict]) -> dict:
@@ -141,6 +176,8 @@ def combine_runs(runs: list[dict]) -> dict:
     if len(runs) == 1:
         return runs[0]
     result = {**runs[0], "memory_gib": max(r["memory_gib"] for r in runs), "tps_runs": [r["tps"] for r in runs]}
+    if "gpus" in runs[0]:
+        result["gpus_runs"] = [r["gpus"] for r in runs]
     for key in ("tps", "tflops", "mfu"):
         if key in runs[0]:
             result[key] = statistics.median(r[key] for r in runs)
@@ -292,6 +329,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="train every variant this many times, in rounds of all variants (medians and ranges)")
     parser.add_argument("--seed", type=int, default=0,
                         help="[debug] seed of every run where the config and the overrides set none")
+    parser.add_argument("--gpu-power", action="store_true",
+                        help="sample the GPUs' power, SM clock and clock-limit reasons (nvidia-smi) through each run")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)
@@ -332,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     local_batch = config_value(args.config, args.extra, "training.local_batch_size", 8)  # torchtitan's default
     seed = config_value(args.config, args.extra, "debug.seed", args.seed)
     models = args.models.split(",") if args.models else available_models(ep)
+    if args.gpu_power:
+        gpu_power.nvidia_smi()  # before anything trains
     combinations = vary_combinations(args.vary)
     check_combinations(args.config, args.extra, combinations, nproc)
     variants = [Variant(m, r, mode, n, vary if m != "torchtitan" else ())
@@ -353,13 +394,17 @@ def main(argv: list[str] | None = None) -> int:
             overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
                          "--metrics.log_freq", str(args.log_freq), "--debug.seed", str(seed),
                          *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
-            code = run_training(args.config, dump, overrides, nproc, log)
+            samples = out / f"{slug}.gpus.csv"
+            with gpu_power.GPUSampler(samples) if args.gpu_power else contextlib.nullcontext():
+                code = run_training(args.config, dump, overrides, nproc, log)
             if code != 0 or not (dump / "metrics.jsonl").exists():
                 failed[v.name] = {"failed": f"exit {code}, {log}"}
                 print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
                 continue
             run = summarize(read_metrics(dump), args.warmup, PROFILED_STEPS + 1 if args.profile else 0)
             print(f"  {run['tps']:,.0f} tokens/s/GPU", flush=True)
+            if args.gpu_power:
+                run["gpus"] = gpus_during(samples, run)
             if args.profile:
                 run["profile"] = profile_of(dump, args.steps)
             runs[v.name].append(run)
@@ -372,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
         report += "\n\n--vary: each combination against the first, same run:\n\n" + gain
     if agreement:
         report += "\n\ncompiled against eager, same seed and tokens:\n\n" + agreement
+    if args.gpu_power:
+        report += (f"\n\nthe GPUs during each run's timed steps (nvidia-smi every {gpu_power.SAMPLE_MS} ms; medians):"
+                   "\n\n" + gpu_table(variants, results))
     for v in variants if args.profile else []:
         profile = results[v.name].get("profile")
         report += f"\n\n### {v.name}: step-time breakdown, rank 0, the last {PROFILED_STEPS} steps\n\n"

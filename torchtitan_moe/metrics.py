@@ -167,7 +167,8 @@ class MoEMetricsProcessor(MetricsProcessor):
             logger.warning(warning)
 
         if self.jsonl_path:
-            record = {"step": step, "loss": global_avg_loss, "grad_norm": grad_norm, **metrics}
+            # time: when the step was logged (seconds since the epoch), to line the run up with samples taken beside it
+            record = {"step": step, "time": time.time(), "loss": global_avg_loss, "grad_norm": grad_norm, **metrics}
             if loads is not None:
                 record["moe/tokens_per_expert"] = loads.tolist()
                 record.update(per_layer_router_losses(moe_layers(self.model_parts or [])))

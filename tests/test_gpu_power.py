@@ -1,0 +1,78 @@
+"""torchtitan_moe/gpu_power.py and `bench_train --gpu-power`: nvidia-smi's samples read, windowed to each run's
+timed steps and summarized per GPU (a stand-in nvidia-smi, tests/fakes/nvidia_smi, on PATH)."""
+
+import json
+import os
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from torchtitan_moe import bench_train, gpu_power
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = ROOT / "tests" / "fakes" / "nvidia_smi"
+
+
+def smi_line(when: float, gpu: int, watts: float, mhz: int, reasons: int) -> str:
+    stamp = datetime.fromtimestamp(when).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+    return f"{stamp}, {gpu}, {watts:.2f}, {mhz}, 0x{reasons:016x}"
+
+
+def test_samples_are_read_windowed_and_summarized_per_gpu(tmp_path):
+    t0 = 1_790_000_000.0
+    lines = [smi_line(t0 + i, gpu, 600 + 10 * i, 1400 + 100 * i, [0x4, 0x0, 0x80, 0x20][i]) for i in range(4)
+             for gpu in (0, 1)]
+    lines.insert(3, f"{lines[0].split(',')[0]}, 0, [N/A], 1500, 0x0")  # a sample nvidia-smi could not fill
+    path = tmp_path / "gpus.csv"
+    path.write_text("\n".join(lines) + "\n")
+    samples = gpu_power.read_samples(path)
+    assert len(samples) == 8 and samples[0] == gpu_power.Sample(t0, 0, 600.0, 1400.0, 0x4)
+    window = gpu_power.during(samples, t0 + 1, t0 + 3)  # samples 1, 2 and 3 of each GPU
+    summary = gpu_power.summarize(window)
+    assert list(summary) == [0, 1]
+    assert summary[0] == {"sm_mhz": 1600.0, "watts": 620.0, "power_cap": 1 / 3, "thermal": 1 / 3, "samples": 3}
+
+
+def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", f"{FAKE}{os.pathsep}{os.environ['PATH']}")
+
+    def fake_training(config, dump, overrides, nproc, log):
+        dump.mkdir(parents=True, exist_ok=True)
+        samples, deadline = dump.parent / f"{dump.name}.gpus.csv", time.time() + 30
+        while not (samples.exists() and samples.stat().st_size) and time.time() < deadline:
+            time.sleep(0.01)  # the sampler is running: some samples come before the run's first step
+        rows = []
+        for step in (1, 2, 3):  # step 1 untimed (--warmup 1): the window runs from its log to step 3's
+            time.sleep(0.3)
+            rows.append({"step": step, "time": time.time(), "loss": 5.0, "throughput(tps)": 100.0 * step,
+                         "tflops": 1.0, "memory/max_reserved(GiB)": 1.0})
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return 0
+
+    monkeypatch.setattr(bench_train, "run_training", fake_training)
+    code = bench_train.main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager",
+                             "--routers", "learned", "--steps", "3", "--warmup", "1", "--nproc", "1", "--repeat", "2",
+                             "--gpu-power", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "bench_train.json").read_text())["ours/local learned eager"]
+    assert len(result["gpus_runs"]) == 2
+    for run, gpus in enumerate(result["gpus_runs"], 1):
+        assert gpus["0"]["sm_mhz"] == 1500 and gpus["1"]["sm_mhz"] == 1700
+        # the samples taken from the last untimed step's log to the last timed step's, no others
+        times = [json.loads(line)["time"] for line in
+                 (tmp_path / f"ours_local_learned_eager_run{run}" / "metrics.jsonl").read_text().splitlines()]
+        taken = [s.time for s in gpu_power.read_samples(tmp_path / f"ours_local_learned_eager_run{run}.gpus.csv")
+                 if s.gpu == 0]
+        assert gpus["0"]["samples"] == sum(times[0] <= t <= times[-1] for t in taken) < len(taken)
+    report = (tmp_path / "bench_train.md").read_text()
+    assert "| ours/local learned eager | 2 | 250 | 1,500 / 1,700 | 690 / 690 | 100% / 0% | 0% / 0% |" in report
+
+
+def test_gpu_power_without_nvidia_smi_is_one_error_before_anything_trains(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(bench_train, "run_training", lambda *a: pytest.fail("trained"))
+    with pytest.raises(SystemExit, match="--gpu-power samples the GPUs with nvidia-smi, which is not on PATH"):
+        bench_train.main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--steps", "3", "--warmup", "1",
+                          "--gpu-power", "--out", str(tmp_path / "out")])

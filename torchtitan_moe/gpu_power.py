@@ -1,0 +1,100 @@
+"""The GPUs' power draw, SM clock and clock-limit reasons through a run, sampled with nvidia-smi.
+
+    with GPUSampler(path) as sampler:      # nvidia-smi every SAMPLE_MS into `path`, stopped on exit
+        train(...)
+    samples = read_samples(path)           # [Sample(time, gpu, watts, sm_mhz, reasons)]
+    during(samples, start, end)            # those taken between two wall-clock times (time.time())
+    summarize(samples)                     # per GPU: median SM MHz and W, share of samples at the power cap
+
+On 2 H200s our training step runs at the GPUs' 700 W software power cap with the SM clock well below its
+maximum (worklogs/2026-11-27-session10-h200x2.md), and one setting's tokens/s moved by 6% between two rounds
+of one run while torchtitan's did not (worklogs/2026-11-27-session14-h200x2.md): these figures, beside each
+run's tokens/s (`bench_train --gpu-power`), tell a GPU running slower from a host launching slower.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+SAMPLE_MS = 200
+QUERY = "timestamp,index,power.draw,clocks.sm,clocks_event_reasons.active"
+# nvmlClocksEventReasons bits: the SM clock held down by the power cap (software cap, hardware brake) or by heat.
+POWER_CAP = 0x4 | 0x80
+THERMAL = 0x8 | 0x20 | 0x40
+
+
+@dataclass(frozen=True)
+class Sample:
+    time: float  # seconds since the epoch (time.time())
+    gpu: int
+    watts: float
+    sm_mhz: float
+    reasons: int  # clocks_event_reasons.active bit mask
+
+
+def nvidia_smi() -> str:
+    """nvidia-smi's path, or SystemExit saying what needs it."""
+    path = shutil.which("nvidia-smi")
+    if path is None:
+        raise SystemExit("--gpu-power samples the GPUs with nvidia-smi, which is not on PATH (a machine without "
+                         "NVIDIA's driver tools): leave --gpu-power out")
+    return path
+
+
+class GPUSampler:
+    """nvidia-smi writing every GPU's sample every SAMPLE_MS ms to `path` while the block runs."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.command = [nvidia_smi(), f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", str(SAMPLE_MS)]
+
+    def __enter__(self) -> GPUSampler:
+        self.file = open(self.path, "w")
+        self.process = subprocess.Popen(self.command, stdout=self.file, stderr=subprocess.STDOUT)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.file.close()
+
+
+def read_samples(path: Path) -> list[Sample]:
+    """The samples in `path` (lines nvidia-smi could not fill, e.g. "[N/A]", are skipped)."""
+    samples = []
+    for line in path.read_text().splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) != 5:
+            continue
+        try:
+            when = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as time.time()
+            samples.append(Sample(when, int(fields[1]), float(fields[2]), float(fields[3]), int(fields[4], 16)))
+        except ValueError:
+            continue
+    return samples
+
+
+def during(samples: list[Sample], start: float, end: float) -> list[Sample]:
+    return [s for s in samples if start <= s.time <= end]
+
+
+def summarize(samples: list[Sample]) -> dict[int, dict[str, float]]:
+    """GPU index -> median SM MHz and watts, and the share of samples held at the power cap or by heat."""
+    by_gpu: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_gpu.setdefault(s.gpu, []).append(s)
+    return {gpu: {"sm_mhz": statistics.median(s.sm_mhz for s in mine),
+                  "watts": statistics.median(s.watts for s in mine),
+                  "power_cap": sum(bool(s.reasons & POWER_CAP) for s in mine) / len(mine),
+                  "thermal": sum(bool(s.reasons & THERMAL) for s in mine) / len(mine),
+                  "samples": len(mine)}
+            for gpu, mine in sorted(by_gpu.items())}

@@ -15,24 +15,25 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fakes" / "nvidia_smi"
 
 
-def smi_line(when: float, gpu: int, watts: float, mhz: int, reasons: int) -> str:
+def smi_line(when: float, gpu: int, watts: float, mhz: int, celsius: int, reasons: int) -> str:
     stamp = datetime.fromtimestamp(when).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
-    return f"{stamp}, {gpu}, {watts:.2f}, {mhz}, 0x{reasons:016x}"
+    return f"{stamp}, {gpu}, {watts:.2f}, {mhz}, {celsius}, 0x{reasons:016x}"
 
 
 def test_samples_are_read_windowed_and_summarized_per_gpu(tmp_path):
     t0 = 1_790_000_000.0
-    lines = [smi_line(t0 + i, gpu, 600 + 10 * i, 1400 + 100 * i, [0x4, 0x0, 0x80, 0x20][i]) for i in range(4)
+    lines = [smi_line(t0 + i, gpu, 600 + 10 * i, 1400 + 100 * i, 60 + i, [0x4, 0x0, 0x80, 0x20][i]) for i in range(4)
              for gpu in (0, 1)]
-    lines.insert(3, f"{lines[0].split(',')[0]}, 0, [N/A], 1500, 0x0")  # a sample nvidia-smi could not fill
+    lines.insert(3, f"{lines[0].split(',')[0]}, 0, [N/A], 1500, 60, 0x0")  # a sample nvidia-smi could not fill
     path = tmp_path / "gpus.csv"
     path.write_text("\n".join(lines) + "\n")
     samples = gpu_power.read_samples(path)
-    assert len(samples) == 8 and samples[0] == gpu_power.Sample(t0, 0, 600.0, 1400.0, 0x4)
+    assert len(samples) == 8 and samples[0] == gpu_power.Sample(t0, 0, 600.0, 1400.0, 60.0, 0x4)
     window = gpu_power.during(samples, t0 + 1, t0 + 3)  # samples 1, 2 and 3 of each GPU
     summary = gpu_power.summarize(window)
     assert list(summary) == [0, 1]
-    assert summary[0] == {"sm_mhz": 1600.0, "watts": 620.0, "power_cap": 1 / 3, "thermal": 1 / 3, "samples": 3}
+    assert summary[0] == {"sm_mhz": 1600.0, "watts": 620.0, "celsius": 62.0, "power_cap": 1 / 3, "thermal": 1 / 3,
+                          "samples": 3}
 
 
 def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
@@ -67,7 +68,7 @@ def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
                  if s.gpu == 0]
         assert gpus["0"]["samples"] == sum(times[0] <= t <= times[-1] for t in taken) < len(taken)
     report = (tmp_path / "bench_train.md").read_text()
-    assert "| ours/local learned eager | 2 | 250 | 1,500 / 1,700 | 690 / 690 | 100% / 0% | 0% / 0% |" in report
+    assert "| ours/local learned eager | 2 | 250 | 1,500 / 1,700 | 690 / 690 | 71 / 64 | 100% / 0% | 0% / 0% |" in report
 
 
 def test_gpu_power_without_nvidia_smi_is_one_error_before_anything_trains(tmp_path, monkeypatch):

@@ -31,7 +31,7 @@ the runs' tokens/s with their range, and --vary's ratios are the median of each 
 On 2 H200s one setting's runs spread by up to 6% (worklogs/2026-11-26-session3-h200x2.md): a change of 1-2%
 needs several rounds to show.
 
---gpu-power samples every GPU's power draw, SM clock and clock-limit reasons with nvidia-smi through each run
+--gpu-power samples every GPU's power draw, SM clock, temperature and clock-limit reasons with nvidia-smi through each run
 (torchtitan_moe/gpu_power.py) and adds a table of their medians over each run's timed steps: a run slower
 because its GPUs ran slower (at the power cap, or hot) shows there; one slower at the same clocks points at the host.
 
@@ -150,21 +150,21 @@ def gpus_during(samples: Path, run: dict) -> dict:
 
 
 def gpu_table(variants: list[Variant], results: dict[str, dict]) -> str:
-    """One row per run: tokens/s/GPU beside each GPU's median SM clock and power, and the share of samples
+    """One row per run: tokens/s/GPU beside each GPU's median SM clock, power and temperature, and the share of samples
     at the power cap or held by heat (GPUs in index order, " / " between them)."""
-    lines = ["| variant | run | tokens/s/GPU | SM MHz | W | at the power cap | held by heat |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| variant | run | tokens/s/GPU | SM MHz | W | °C | at the power cap | held by heat |",
+             "|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = results[v.name]
         if "failed" in r:
             continue
         for i, (tps, gpus) in enumerate(zip(r.get("tps_runs", [r["tps"]]), r.get("gpus_runs", [r.get("gpus")])), 1):
             if not gpus:
-                lines.append(f"| {v.name} | {i} | {tps:,.0f} | no samples | | | |")
+                lines.append(f"| {v.name} | {i} | {tps:,.0f} | no samples | | | | |")
                 continue
             cells = [" / ".join(fmt.format(g[key]) for g in gpus.values())
-                     for key, fmt in (("sm_mhz", "{:,.0f}"), ("watts", "{:.0f}"), ("power_cap", "{:.0%}"),
-                                      ("thermal", "{:.0%}"))]
+                     for key, fmt in (("sm_mhz", "{:,.0f}"), ("watts", "{:.0f}"), ("celsius", "{:.0f}"),
+                                      ("power_cap", "{:.0%}"), ("thermal", "{:.0%}"))]
             lines.append(f"| {v.name} | {i} | {tps:,.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -330,7 +330,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0,
                         help="[debug] seed of every run where the config and the overrides set none")
     parser.add_argument("--gpu-power", action="store_true",
-                        help="sample the GPUs' power, SM clock and clock-limit reasons (nvidia-smi) through each run")
+                        help="sample the GPUs' power, SM clock, temperature and clock-limit reasons (nvidia-smi) through each run")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
     args = parser.parse_args(argv)

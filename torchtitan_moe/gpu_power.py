@@ -4,12 +4,13 @@
         train(...)
     samples = read_samples(path)           # [Sample(time, gpu, watts, sm_mhz, reasons)]
     during(samples, start, end)            # those taken between two wall-clock times (time.time())
-    summarize(samples)                     # per GPU: median SM MHz and W, share of samples at the power cap
+    summarize(samples)                     # per GPU: median SM MHz, W and °C, share of samples at the power cap
 
 On 2 H200s our training step runs at the GPUs' 700 W software power cap with the SM clock well below its
 maximum (worklogs/2026-11-27-session10-h200x2.md), and one setting's tokens/s moved by 6% between two rounds
 of one run while torchtitan's did not (worklogs/2026-11-27-session14-h200x2.md): these figures, beside each
-run's tokens/s (`bench_train --gpu-power`), tell a GPU running slower from a host launching slower.
+run's tokens/s (`bench_train --gpu-power`), tell a GPU running slower (at the cap, hotter: its leakage takes more
+of the same watts) from a host launching slower.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from datetime import datetime
 from pathlib import Path
 
 SAMPLE_MS = 200
-QUERY = "timestamp,index,power.draw,clocks.sm,clocks_event_reasons.active"
+QUERY = "timestamp,index,power.draw,clocks.sm,temperature.gpu,clocks_event_reasons.active"
 # nvmlClocksEventReasons bits: the SM clock held down by the power cap (software cap, hardware brake) or by heat.
 POWER_CAP = 0x4 | 0x80
 THERMAL = 0x8 | 0x20 | 0x40
@@ -34,6 +35,7 @@ class Sample:
     gpu: int
     watts: float
     sm_mhz: float
+    celsius: float
     reasons: int  # clocks_event_reasons.active bit mask
 
 
@@ -73,11 +75,12 @@ def read_samples(path: Path) -> list[Sample]:
     samples = []
     for line in path.read_text().splitlines():
         fields = [f.strip() for f in line.split(",")]
-        if len(fields) != 5:
+        if len(fields) != 6:
             continue
         try:
             when = datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()  # local time, as time.time()
-            samples.append(Sample(when, int(fields[1]), float(fields[2]), float(fields[3]), int(fields[4], 16)))
+            samples.append(Sample(when, int(fields[1]), float(fields[2]), float(fields[3]), float(fields[4]),
+                                  int(fields[5], 16)))
         except ValueError:
             continue
     return samples
@@ -88,12 +91,13 @@ def during(samples: list[Sample], start: float, end: float) -> list[Sample]:
 
 
 def summarize(samples: list[Sample]) -> dict[int, dict[str, float]]:
-    """GPU index -> median SM MHz and watts, and the share of samples held at the power cap or by heat."""
+    """GPU index -> median SM MHz, watts and temperature, and the share of samples held at the power cap or by heat."""
     by_gpu: dict[int, list[Sample]] = {}
     for s in samples:
         by_gpu.setdefault(s.gpu, []).append(s)
     return {gpu: {"sm_mhz": statistics.median(s.sm_mhz for s in mine),
                   "watts": statistics.median(s.watts for s in mine),
+                  "celsius": statistics.median(s.celsius for s in mine),
                   "power_cap": sum(bool(s.reasons & POWER_CAP) for s in mine) / len(mine),
                   "thermal": sum(bool(s.reasons & THERMAL) for s in mine) / len(mine),
                   "samples": len(mine)}

@@ -77,3 +77,15 @@ def test_gpu_power_without_nvidia_smi_is_one_error_before_anything_trains(tmp_pa
     with pytest.raises(SystemExit, match="--gpu-power samples the GPUs with nvidia-smi, which is not on PATH"):
         bench_train.main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--steps", "3", "--warmup", "1",
                           "--gpu-power", "--out", str(tmp_path / "out")])
+
+
+def test_an_nvidia_smi_that_stops_is_reported_and_its_runs_have_no_samples(tmp_path, monkeypatch, capsys):
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/bin/sh\necho 'Field \"temperature.gpu\" is not a valid field to query.'\nexit 2\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    with gpu_power.GPUSampler(tmp_path / "gpus.csv"):
+        time.sleep(0.5)
+    assert "nvidia-smi stopped during the run (exit 2): Field \"temperature.gpu\"" in capsys.readouterr().err
+    assert gpu_power.read_samples(tmp_path / "gpus.csv") == []

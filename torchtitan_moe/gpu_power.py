@@ -18,6 +18,7 @@ from __future__ import annotations
 import shutil
 import statistics
 import subprocess
+import sys
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -61,6 +62,12 @@ class GPUSampler:
         return self
 
     def __exit__(self, *exc) -> None:
+        code = self.process.poll()
+        if code is not None:  # it stopped by itself: a query this nvidia-smi refuses, or no GPU; say so
+            self.file.flush()
+            said = self.path.read_text().strip().splitlines()
+            print(f"gpu_power: nvidia-smi stopped during the run (exit {code}): {said[0] if said else 'no output'}",
+                  file=sys.stderr, flush=True)
         self.process.terminate()
         try:
             self.process.wait(timeout=10)

@@ -47,7 +47,7 @@ def measure_ceilings() -> dict:
     return {"copy_GBps": 2 * nbytes / copy_us / 1e3, "matmul_bf16_TFLOPs": 2 * 8192**3 / mm_us / 1e6}
 
 
-def _measure(make_fn) -> tuple[float | None, str]:
+def measure_or_why(make_fn) -> tuple[float | None, str]:
     """Median µs of the function make_fn() returns (after one untimed call), or None and why not."""
     try:
         fn = make_fn()
@@ -87,7 +87,7 @@ class Bench:
         self._compare(case, "backward", nbytes, impls, timed)
 
     def _compare(self, case: str, direction: str, nbytes: int, impls: dict, timed) -> None:
-        times = {name: _measure(lambda: timed(impl)) for name, impl in impls.items()}
+        times = {name: measure_or_why(lambda: timed(impl)) for name, impl in impls.items()}
         eager, compiled = times["eager"][0], times["compile"][0]
         for name, (us, why) in times.items():
             gbps = None if us is None else nbytes / us / 1e3

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _bench import _measure, measure_ceilings  # noqa: E402
+from _bench import measure_ceilings, measure_or_why  # noqa: E402
 
 
 def routed_offsets(tokens: int, top_k: int, total_experts: int, experts: int, align: int = 8) -> torch.Tensor:
@@ -94,8 +94,8 @@ def main() -> None:
     for name, k, a, b in cases(args, offs):
         m_n_k = a.shape[0] * b.shape[-1] * (a.shape[1] if k else rows)  # dW: K is the rows
         flops = 2 * m_n_k
-        aten_us, _ = _measure(lambda: lambda: torch._grouped_mm(a, b, offs=offs))
-        triton_us, why = _measure(lambda: lambda: compiled(a, b, offs))
+        aten_us, _ = measure_or_why(lambda: lambda: torch._grouped_mm(a, b, offs=offs))
+        triton_us, why = measure_or_why(lambda: lambda: compiled(a, b, offs))
         diff = "-"
         if triton_us is not None:
             ref, got = torch._grouped_mm(a, b, offs=offs), compiled(a, b, offs)

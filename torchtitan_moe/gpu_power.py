@@ -1,8 +1,8 @@
-"""The GPUs' power draw, SM clock and clock-limit reasons through a run, sampled with nvidia-smi.
+"""The GPUs' power draw, SM clock, temperature and clock-limit reasons through a run, sampled with nvidia-smi.
 
     with GPUSampler(path) as sampler:      # nvidia-smi every SAMPLE_MS into `path`, stopped on exit
         train(...)
-    samples = read_samples(path)           # [Sample(time, gpu, watts, sm_mhz, reasons)]
+    samples = read_samples(path)           # [Sample(time, gpu, watts, sm_mhz, celsius, reasons)]
     during(samples, start, end)            # those taken between two wall-clock times (time.time())
     summarize(samples)                     # per GPU: median SM MHz, W and °C, share of samples at the power cap
 

@@ -15,10 +15,13 @@ PLAN.json is a list of operations that every rank runs in order:
                                                has one rank, as before they stayed outside it)
     {"train": [...], "clip": "torchtitan"}       with torchtitan's clip_grad_norm_ (a multiply of the gradients)
                                                instead of ours (the clipping inside the optimizer's update)
+    {"train": [...], "batches": N}             the data runs out after N batches (torchtitan ends the run there)
+    {"stale": [...], "out": path}              a run whose layer 0 w2 working copy is changed after step 2's
+                                               update, which must stop; rank 0 writes the error
     {"train": [...], "step": "torchtitan"}       with torchtitan's Trainer.train_step (host syncs at its start)
                                                instead of ours (train_step.py)
-    {"host_syncs": [override, ...], "out": path}  a 3-step run; rank 0 writes the host syncs of each training
-                                               step that logs nothing (steps 2 and 3) as a JSON list
+    {"host_syncs": [override, ...], "out": path}  a 4-step run; rank 0 writes the host syncs of each training
+                                               step that reads no log back (steps 3 and 4) as a JSON list
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
 Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared
 (torchtitan_moe/train_runs.py, which `python -m torchtitan_moe.parity --one-launch` uses too).
@@ -36,7 +39,7 @@ import torch.distributed as dist
 
 from torchtitan_moe import convert, train_runs
 from torchtitan_moe.checkpoint import CheckpointError
-from torchtitan_moe.torchtitan_compat import Trainer, replace_clip_grad_norm
+from torchtitan_moe.torchtitan_compat import DataloaderExhaustedError, Trainer, replace_clip_grad_norm
 from torchtitan_moe.train_runs import shared_group
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
@@ -89,6 +92,48 @@ def torchtitans_step(trainer) -> None:
     trainer.train_step = step
 
 
+def batches(n: int):
+    """adapt(trainer) for `train`: the data runs out after n batches, as a finite dataset's does."""
+
+    def adapt(trainer) -> None:
+        generate = trainer.batch_generator
+
+        def limited(data_iterable):
+            for i, batch in enumerate(generate(data_iterable)):
+                if i == n:
+                    raise DataloaderExhaustedError()
+                yield batch
+
+        trainer.batch_generator = limited
+
+    return adapt
+
+
+def stale(overrides: list[str], out: str) -> None:
+    """A run whose layer 0 w2 working copy is changed after step 2's optimizer step, behind the update's back."""
+    from torchtitan_moe.moe.experts import GroupedExperts
+
+    def corrupt_after_step_2(trainer) -> None:
+        step = trainer.optimizers.step
+
+        def stepped(*args, **kwargs):
+            step(*args, **kwargs)
+            if trainer.step == 2:
+                experts = next(m for m in trainer.model_parts[0].modules() if isinstance(m, GroupedExperts))
+                with torch.no_grad():
+                    experts.working["w2"].view(-1)[0] += 1
+
+        trainer.optimizers.step = stepped
+
+    try:
+        train(overrides, corrupt_after_step_2)
+    except RuntimeError as e:
+        if dist.get_rank() == 0:
+            Path(out).write_text(str(e))
+        return
+    raise AssertionError(f"the run {overrides} trained on with a stale working copy")
+
+
 def host_syncs(overrides: list[str], out: str) -> None:
     """Count the host syncs (tests/host_reads.py) inside each train_step that does not log."""
     from host_reads import HostSyncs
@@ -99,7 +144,8 @@ def host_syncs(overrides: list[str], out: str) -> None:
         step = trainer.train_step
 
         def counted(data_iterator):
-            if trainer.metrics_processor.should_log(trainer.step):  # step 1: logging reads the loss back
+            # Step 1 logs: it launches what its line reads, and step 2 reads it back once it is queued.
+            if trainer.metrics_processor.should_log(trainer.step) or trainer.pending_log is not None:
                 return step(data_iterator)
             # The batches first: the synthetic stream is made on the host (a GPU run's loader too).
             batches = iter([next(data_iterator) for _ in range(trainer.gradient_accumulation_steps)])
@@ -111,7 +157,7 @@ def host_syncs(overrides: list[str], out: str) -> None:
 
         trainer.train_step = counted
 
-    train(["--training.steps", "3", "--metrics.log_freq", "100", "--checks.monitor_freq", "0", *overrides], count_steps)
+    train(["--training.steps", "4", "--metrics.log_freq", "100", "--checks.monitor_freq", "0", *overrides], count_steps)
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(counts))
 
@@ -207,8 +253,12 @@ def run_plan(plan: list[dict]) -> None:
                 train(op["train"], torchtitans_clip)
             elif "train" in op and op.get("step") == "torchtitan":
                 train(op["train"], torchtitans_step)
+            elif "train" in op and "batches" in op:
+                train(op["train"], batches(op["batches"]))
             elif "train" in op:
                 train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)
+            elif "stale" in op:
+                stale(op["stale"], op["out"])
             elif "host_syncs" in op:
                 host_syncs(op["host_syncs"], op["out"])
             elif "refused" in op:

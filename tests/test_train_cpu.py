@@ -53,6 +53,9 @@ RUNS = {
 # Our train step (no host syncs) against torchtitan's, on the recipe run: 2 micro-batches a step, a
 # global token count over 2 ranks, the balance loss over both, logging every step.
 RUNS["recipe_torchtitan_step"] = RUNS["recipe"]
+# A logging step's line is written once the next step is queued (train_step.py): a run whose data runs out
+# after step 5 (the data_runs_out op: 5 batches) still writes step 5's.
+RUNS["data_runs_out"] = ["--training.steps", "10", "--metrics.log_freq", "5"]
 # The routers' gates sharded by rows ([parallelism] router = "auto" here) against FSDP2's router groups.
 RUNS["recipe_router_fsdp"] = [*RUNS["recipe"], "--parallelism.router", "fsdp"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
@@ -97,6 +100,12 @@ def launched(tmp_path_factory) -> Path:
             op.update(clip="torchtitan")
         if name.endswith("_torchtitan_step"):
             op.update(step="torchtitan")
+        if name == "data_runs_out":
+            op.update(batches=5)
+    # A working copy changed behind the update's back after step 2 (a monitor step) stops the run.
+    plan.append({"stale": ["--job.dump_folder", str(d / "stale"), "--training.steps", "4", "--checks.monitor_freq",
+                           "2", "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param",
+                           "bfloat16"], "out": str(d / "stale.txt")})
     torchrun_plan(plan, d)
     return d
 
@@ -227,12 +236,31 @@ def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):
 
 
 def test_our_train_step_trains_as_torchtitans_bit_for_bit(runs):
-    # train_step.py is torchtitan's step without its host syncs: the same losses, grad norms and MoE statistics.
+    # train_step.py is torchtitan's step without its host syncs, its lines written a step later: every
+    # value of every line the same (losses, grad norms, tokens seen, learning rate, MoE statistics and
+    # router losses per layer), but for the timings.
     ours, theirs = runs["recipe"], runs["recipe_torchtitan_step"]
     assert len(ours) == len(theirs) == 3
+    timings = ("time", "throughput(tps)", "tflops", "mfu(%)", "time_metrics/end_to_end(s)", "memory/max_reserved(GiB)",
+               "memory/max_active(GiB)")
     for a, b in zip(ours, theirs):
-        assert (a["loss"], a["grad_norm"], a["moe/tokens_per_expert"]) == (b["loss"], b["grad_norm"],
-                                                                           b["moe/tokens_per_expert"])
+        assert "moe/balance_loss_per_layer" in a and a["n_tokens_seen"] == b["n_tokens_seen"] > 0
+        assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
+        assert a["throughput(tps)"] > 0
+
+
+def test_a_run_whose_data_runs_out_writes_its_last_logged_step(runs):
+    assert [r["step"] for r in runs["data_runs_out"]] == [1, 5]
+    assert runs["data_runs_out"][-1]["throughput(tps)"] > 0
+
+
+def test_a_stale_working_copy_stops_the_run_after_writing_its_step(launched):
+    # The check runs with the monitor step's log, read back once step 3 is queued: the run stops there.
+    message = (launched / "stale.txt").read_text()
+    assert message.startswith("step 2: the experts' bf16 working copies of ") and "w2 differ" in message, message
+    assert "w13" not in message, message
+    records = [json.loads(line) for line in (launched / "stale" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
 
 
 @pytest.mark.parametrize("moments", ["float32", "bfloat16", "float32_triton"])

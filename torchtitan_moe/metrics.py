@@ -23,12 +23,14 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from torchtitan_moe.checks.monitors import TrainingMonitor
 from torchtitan_moe.moe.balance import moe_layers
+from torchtitan_moe.moe.experts import working_copy_flags
 from torchtitan_moe.torchtitan_compat import MetricsProcessor, logger
 
 
@@ -46,38 +48,42 @@ def load_stats(loads: torch.Tensor) -> dict[str, float]:
 ROUTER_LOSSES = ("balance_loss", "z_loss")  # the columns of MoE.last_router_losses
 
 
-def router_losses(layers: list) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The last step's router losses [L, 2] (before their coefficients) and coefficients [L, 2],
-    or None when no layer has one on or before the first step."""
-    if not layers or layers[0].last_router_losses is None:
-        return None
+def router_coefficients(layers: list) -> torch.Tensor | None:
+    """[L, 2] fp64: each layer's coefficients of its router losses, or None when no term is on."""
     coeffs = torch.tensor([[m.router.balance_loss_coeff, m.router.z_loss_coeff] for m in layers], dtype=torch.float64)
-    if not (coeffs > 0).any():
-        return None
-    return torch.stack([m.last_router_losses for m in layers]).cpu(), coeffs
+    return coeffs if layers and (coeffs > 0).any() else None
 
 
-def router_loss_metrics(layers: list) -> dict[str, float]:
-    """Means over layers: each term that is on (moe/balance_loss, moe/z_loss) and their weighted
-    sum, what the router adds to the objective (moe/aux_loss)."""
-    found = router_losses(layers)
-    if found is None:
-        return {}
-    losses, coeffs = found
+def router_loss_metrics(losses: torch.Tensor, coeffs: torch.Tensor) -> dict[str, float]:
+    """losses [L, 2] (before their coefficients), coeffs [L, 2] -> means over layers: each term that is on
+    (moe/balance_loss, moe/z_loss) and their weighted sum, what the router adds to the objective (moe/aux_loss)."""
+    losses = losses.double()
     metrics = {f"moe/{name}": float(losses[:, i].mean()) for i, name in enumerate(ROUTER_LOSSES)
                if (coeffs[:, i] > 0).any()}
     metrics["moe/aux_loss"] = float((losses * coeffs).sum(dim=1).mean())
     return metrics
 
 
-def per_layer_router_losses(layers: list) -> dict[str, list[float]]:
+def per_layer_router_losses(losses: torch.Tensor, coeffs: torch.Tensor) -> dict[str, list[float]]:
     """metrics.jsonl only: each layer's value of each term that is on."""
-    found = router_losses(layers)
-    if found is None:
-        return {}
-    losses, coeffs = found
+    losses = losses.double()
     return {f"moe/{name}_per_layer": losses[:, i].tolist() for i, name in enumerate(ROUTER_LOSSES)
             if (coeffs[:, i] > 0).any()}
+
+
+@dataclass
+class StepState:
+    """What a logging step reads back besides its loss and gradient norm, taken at the end of its step
+    (step_state) and read with its log line, which may come a step later (train_step.py):
+
+        tensors["loads"]          [L, E] tokens per expert over all ranks
+        tensors["router_losses"]  [L, 2] each layer's balance loss and z-loss before their coefficients
+        tensors["rank_stats"]     [W, 2] fp64 each rank's (loss share, gradient norm); monitor steps
+        tensors["stale"]          [len(stale_names)] bool: the working copies' check; monitor steps
+
+    each only where there is one (no MoE layer, no router loss on, ...)."""
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    stale_names: list[str] = field(default_factory=list)
 
 
 class MoEMetricsProcessor(MetricsProcessor):
@@ -88,7 +94,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             os.makedirs(job_config.job.dump_folder, exist_ok=True)
             self.jsonl_path = os.path.join(job_config.job.dump_folder, "metrics.jsonl")
         self.monitor = TrainingMonitor(job_config.checks.monitor_freq, parallel_dims.ep)
-        # [W, 2] per-rank (loss share, local grad norm), set by the trainer on monitor steps.
+        # [W, 2] per-rank (loss share, local grad norm) on the device, set by the trainer on monitor steps.
         self.rank_stats: torch.Tensor | None = None
         self.last_logged_step: int | None = None  # monitor steps make the log interval uneven
         self.gpu_peak_flops = peak_flops(job_config.metrics.peak_tflops, self.gpu_peak_flops,
@@ -98,32 +104,50 @@ class MoEMetricsProcessor(MetricsProcessor):
         # Monitor steps are always logged, so their per-rank numbers reach the step line.
         return super().should_log(step) or self.monitor.is_monitor_step(step)
 
-    def step_loads(self) -> torch.Tensor | None:
-        """[L, E] tokens per expert of the last step over all ranks, or None before any step."""
+    def step_state(self, step: int) -> StepState:
+        """The step's StepState on the device (nothing read back): call after its optimizer step, before the
+        next forward replaces the layers' statistics. On monitor steps it launches the check that the experts'
+        working copies are their weights' casts (moe/experts.py: working_copy_flags)."""
+        state = StepState()
         layers = moe_layers(self.model_parts or [])
-        if not layers or layers[0].last_tokens_per_expert is None:
-            return None
-        return torch.stack([layer.last_tokens_per_expert for layer in layers]).cpu()
-
-    def moe_metrics(self, loads: torch.Tensor | None) -> dict[str, Any]:
-        if loads is None:
-            return {}
-        layers = moe_layers(self.model_parts or [])
-        metrics: dict[str, Any] = {f"moe/{k}": v for k, v in load_stats(loads).items()}
-        metrics.update(router_loss_metrics(layers))
-        return metrics
+        if layers and layers[0].last_tokens_per_expert is not None:
+            state.tensors["loads"] = torch.stack([layer.last_tokens_per_expert for layer in layers])
+            if layers[0].last_router_losses is not None and router_coefficients(layers) is not None:
+                state.tensors["router_losses"] = torch.stack([layer.last_router_losses for layer in layers])
+        if self.rank_stats is not None:
+            state.tensors["rank_stats"], self.rank_stats = self.rank_stats, None
+        if self.monitor.is_monitor_step(step):
+            flags = []
+            for part in self.model_parts or []:
+                names, found = working_copy_flags(part)
+                if found is not None:
+                    state.stale_names += names
+                    flags.append(found)
+            if flags:
+                state.tensors["stale"] = torch.cat(flags)
+        return state
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
-            extra_metrics: dict[str, Any] | None = None) -> None:
+            extra_metrics: dict[str, Any] | None = None, state: StepState | None = None,
+            ntokens: int | None = None) -> None:
+        """The step line and record. `state` (step_state's, its tensors on the host) and `ntokens` (the tokens
+        since the last logged step) where they were taken when the step ended (train_step.py), else (torchtitan's
+        own step, pipeline parallelism) taken now. The time is from the last line to this one."""
         elapsed = time.perf_counter() - self.time_last_log
-        tps = self.ntokens_since_last_log / (elapsed * self.parallel_dims.non_data_parallel_size)
+        if ntokens is None:
+            ntokens, self.ntokens_since_last_log = self.ntokens_since_last_log, 0
+        tps = ntokens / (elapsed * self.parallel_dims.non_data_parallel_size)
         tflops = self.num_flops_per_token * tps / 1e12
         mem = self.device_memory_monitor.get_peak_stats()
-        loads = self.step_loads()
-        moe = self.moe_metrics(loads)
+        state = self.step_state(step) if state is None else state
+        host = {name: t.cpu() for name, t in state.tensors.items()}
+        loads, rank_stats = host.get("loads"), host.get("rank_stats")
+        losses, coeffs = host.get("router_losses"), router_coefficients(moe_layers(self.model_parts or []))
+        moe: dict[str, Any] = {f"moe/{k}": v for k, v in load_stats(loads).items()} if loads is not None else {}
+        if losses is not None:
+            moe.update(router_loss_metrics(losses, coeffs))
         terms = {name: moe[f"moe/{name}"] for name in ROUTER_LOSSES if f"moe/{name}" in moe}
-        health, warnings = self.monitor.check(step, global_avg_loss, grad_norm, loads, self.rank_stats, terms)
-        rank_stats, self.rank_stats = self.rank_stats, None
+        health, warnings = self.monitor.check(step, global_avg_loss, grad_norm, loads, rank_stats, terms)
         metrics: dict[str, Any] = {
             "loss_metrics/global_avg_loss": global_avg_loss,
             "loss_metrics/global_max_loss": global_max_loss,
@@ -171,7 +195,8 @@ class MoEMetricsProcessor(MetricsProcessor):
             record = {"step": step, "time": time.time(), "loss": global_avg_loss, "grad_norm": grad_norm, **metrics}
             if loads is not None:
                 record["moe/tokens_per_expert"] = loads.tolist()
-                record.update(per_layer_router_losses(moe_layers(self.model_parts or [])))
+            if losses is not None:
+                record.update(per_layer_router_losses(losses, coeffs))
             if rank_stats is not None:
                 record["health/rank_loss_share"] = rank_stats[:, 0].tolist()  # sums to the loss
                 record["health/rank_grad_norm"] = rank_stats[:, 1].tolist()
@@ -179,10 +204,15 @@ class MoEMetricsProcessor(MetricsProcessor):
                 f.write(json.dumps(record) + "\n")
 
         self.last_logged_step = step
-        self.ntokens_since_last_log = 0
         self.data_loading_times.clear()
         self.time_last_log = time.perf_counter()
         self.device_memory_monitor.reset_peak_stats()
+
+        stale = [name for name, differ in zip(state.stale_names, host.get("stale", torch.zeros(0)).tolist()) if differ]
+        if stale:  # after the line and the record: the run stops with its last step on record
+            raise RuntimeError(f"step {step}: the experts' bf16 working copies of {', '.join(stale)} differ "
+                               "from their fp32 weights (changed outside the optimizer's update?): training "
+                               "would read stale weights")
 
 
 def peak_flops(override_tflops: float, table_flops: float, device_name: str) -> float | None:

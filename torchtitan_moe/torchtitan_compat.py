@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import torch
 
 import torchtitan
-from torchtitan.components.dataloader import BaseDataLoader, ParallelAwareDataloader
+from torchtitan.components.dataloader import BaseDataLoader, DataloaderExhaustedError, ParallelAwareDataloader
 from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
 from torchtitan.components.lr_scheduler import build_lr_schedulers
 from torchtitan.components.metrics import MetricsProcessor
@@ -52,6 +52,7 @@ __all__ = [
     "BaseModelArgs",
     "BaseTokenizer",
     "ConfigManager",
+    "DataloaderExhaustedError",
     "IGNORE_INDEX",
     "MetricsProcessor",
     "ModelProtocol",

@@ -25,11 +25,11 @@ from torchtitan_moe.config_loader import load_job_config
 from torchtitan_moe.models import qwen3_moe
 from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
-from torchtitan_moe.moe.experts import stale_working_copies
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.optimizer import attach_working_copies, clip_in_optimizer, keep_expert_gradients
-from torchtitan_moe.train_step import train_step
+from torchtitan_moe.train_step import flush_log, train_step
 from torchtitan_moe.torchtitan_compat import (
+    DataloaderExhaustedError,
     Trainer,
     check_torchtitan_version,
     enable_cpu_training,
@@ -68,6 +68,7 @@ class MoETrainer(Trainer):
         batch_degree = dims.get_mesh("batch").size() if dims.dp_enabled else 1
         MoE.aux_loss_scale = 1.0 / (self.gradient_accumulation_steps * batch_degree)
         self._local_losses: list[torch.Tensor] = []
+        self.pending_log = None  # a logging step's values, read once the next step is queued (train_step.py)
         self.ours = job_config.model.name == qwen3_moe.NAME  # not the torchtitan_qwen3_moe baseline
         if job_config.checkpoint.enable and self.ours:
             record_model_args(self.checkpointer, self.model_args, self.checkpointer.export_dtype)
@@ -129,18 +130,17 @@ class MoETrainer(Trainer):
         return inputs, labels, extra_inputs, extra_kwargs
 
     def train_step(self, data_iterator) -> None:
+        # Monitor steps also check that the experts' working copies the optimizer wrote are the new weights'
+        # casts: with the step's log (metrics.py: step_state).
         self._local_losses = []
         if self.parallel_dims.pp_enabled:
             super().train_step(data_iterator)
-        else:  # torchtitan's step without its host syncs (train_step.py)
+            return
+        try:  # torchtitan's step without its host syncs (train_step.py)
             train_step(self, data_iterator)
-        if self.metrics_processor.monitor.is_monitor_step(self.step):
-            # The experts' working copies the optimizer wrote must be the new weights' casts.
-            stale = [name for part in self.model_parts for name in stale_working_copies(part)]
-            if stale:
-                raise RuntimeError(f"step {self.step}: the experts' bf16 working copies of {', '.join(stale)} differ "
-                                   "from their fp32 weights (changed outside the optimizer's update?): training "
-                                   "would read stale weights")
+        except DataloaderExhaustedError:
+            flush_log(self)  # the last logged step's line, before torchtitan ends the run
+            raise
 
     def forward_backward_step(self, *, input_dict, labels, global_valid_tokens) -> torch.Tensor:
         loss = super().forward_backward_step(input_dict=input_dict, labels=labels,

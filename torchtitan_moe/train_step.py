@@ -8,7 +8,15 @@ on an idle GPU, only a little ahead of it for the whole forward: any stall of on
 beside its GEMMs (2 H200s, EP = 2: the grouped GEMMs ran 1.8x longer beside a waiting
 all-gather; worklogs/2026-11-26-session4-h200x2.md). Here the batches go from pinned memory
 with non-blocking copies and the count stays on the device, so the host queues step N + 1
-while the GPU finishes step N; only a logging step reads values back.
+while the GPU finishes step N.
+
+A logging step reads values back too (the loss, the gradient norm, the MoE statistics), which
+drained the GPU once per log: the next step started on an idle GPU, its forward launched from a
+host with no lead. Here a logging step launches what it reads (the reductions, copies to pinned
+memory behind one event) and its line is written once the next step is queued (PendingLog): the
+read waits for the logged step alone while the GPU works on the next. The line and the run's
+monitors come one step later (the last step's at once); the throughput between two lines counts
+the same steps as before, timed from one logged step's end to the next's.
 
 The same arithmetic: the loss of each micro-batch is its summed loss / the global count of
 valid tokens (a device tensor here; in torchtitan's data-parallel branch a Python number, which
@@ -19,9 +27,12 @@ and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch.distributed._functional_collectives import all_reduce
 
+from torchtitan_moe.metrics import StepState
 from torchtitan_moe.torchtitan_compat import IGNORE_INDEX, dist_utils
 
 
@@ -65,24 +76,82 @@ def train_step(trainer, data_iterator) -> None:
     trainer.optimizers.step()
     trainer.lr_schedulers.step()
     loss = torch.sum(torch.stack(losses))
+    previous, trainer.pending_log = trainer.pending_log, None
     if trainer.metrics_processor.should_log(trainer.step):
-        log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tokens)
+        trainer.pending_log = start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tokens)
+    if previous is not None:  # this step is queued: reading the last one's values keeps the GPU busy
+        finish_log(trainer, previous)
+    if trainer.step >= trainer.job_config.training.steps:
+        flush_log(trainer)
 
 
-def log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tokens) -> None:
-    """torchtitan's step-end logging: the global mean loss, the largest rank's mean loss, tokens seen."""
+class HostCopies:
+    """Tensors copied to the host behind the work queued so far, without the host waiting: on a GPU
+    into pinned memory behind one event, which `read` waits for (that work, not what was queued since)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.host, self.ready = {}, None
+        for name, t in tensors.items():
+            if t.device.type == "cuda":
+                self.host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                self.ready = self.ready or torch.cuda.Event()
+            else:
+                self.host[name] = t
+        if self.ready is not None:
+            self.ready.record()
+
+    def read(self) -> dict[str, torch.Tensor]:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host
+
+
+@dataclass
+class PendingLog:
+    """A logging step's values, launched at the end of its step and read once the next step is queued."""
+    step: int
+    lr: float
+    ntokens_seen: int  # where no reduction over ranks counts it (else values["ntokens_seen"])
+    ntokens: int  # this rank's tokens since the last logged step, the line's throughput
+    values: HostCopies  # loss, max_loss, grad_norm (+ ntokens_seen) and the metrics' StepState tensors
+    stale_names: list[str]
+
+
+def start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tokens) -> PendingLog:
+    """torchtitan's step-end logging, launched: the global mean loss, the largest rank's mean loss and the
+    tokens seen (reduced over the loss mesh), the gradient norm and the metrics' StepState, each on its way
+    to the host behind one event; nothing waits here."""
     dims = trainer.parallel_dims
-    if dims.dp_cp_enabled:
-        loss_mesh = dims.get_optional_mesh("loss")
+    values = {"loss": loss, "max_loss": loss, "grad_norm": grad_norm}
+    loss_mesh = dims.get_optional_mesh("loss") if dims.dp_cp_enabled else None
+    if loss_mesh is not None:
         # loss = this rank's summed loss / the global count: summed over ranks, the global mean;
         # times global / local count, this rank's own mean.
-        local_avg_loss = loss * global_valid_tokens / local_valid_tokens
-        global_avg_loss = dist_utils.dist_sum(loss, loss_mesh)
-        global_max_loss = dist_utils.dist_max(local_avg_loss, loss_mesh)
-        ntokens_seen = dist_utils.dist_sum(torch.tensor(trainer.ntokens_seen, dtype=torch.int64, device=trainer.device),
-                                           loss_mesh)
-    else:
-        global_avg_loss = global_max_loss = loss.item()
-        ntokens_seen = trainer.ntokens_seen
-    trainer.metrics_processor.log(trainer.step, global_avg_loss, global_max_loss, grad_norm.item(),
-                                  extra_metrics={"n_tokens_seen": ntokens_seen, "lr": lr})
+        values["loss"] = all_reduce(loss, "sum", loss_mesh)
+        values["max_loss"] = all_reduce(loss * global_valid_tokens / local_valid_tokens, "max", loss_mesh)
+        seen = to_device(torch.tensor(trainer.ntokens_seen, dtype=torch.int64), trainer.device)
+        values["ntokens_seen"] = all_reduce(seen, "sum", loss_mesh)
+    metrics = trainer.metrics_processor
+    state = metrics.step_state(trainer.step)
+    values.update({f"state/{name}": t for name, t in state.tensors.items()})
+    ntokens, metrics.ntokens_since_last_log = metrics.ntokens_since_last_log, 0
+    return PendingLog(trainer.step, lr, trainer.ntokens_seen, ntokens, HostCopies(values), state.stale_names)
+
+
+def finish_log(trainer, pending: PendingLog) -> None:
+    """The step line and record of a started log (waits for its step alone)."""
+    values = pending.values.read()
+    state = StepState({name.removeprefix("state/"): t for name, t in values.items() if name.startswith("state/")},
+                      pending.stale_names)
+    ntokens_seen = int(values["ntokens_seen"]) if "ntokens_seen" in values else pending.ntokens_seen
+    trainer.metrics_processor.log(pending.step, float(values["loss"]), float(values["max_loss"]),
+                                  float(values["grad_norm"]), extra_metrics={"n_tokens_seen": ntokens_seen,
+                                                                             "lr": pending.lr},
+                                  state=state, ntokens=pending.ntokens)
+
+
+def flush_log(trainer) -> None:
+    """The started log, if any, finished now: the run's last step, or a run stopped between steps."""
+    pending, trainer.pending_log = trainer.pending_log, None
+    if pending is not None:
+        finish_log(trainer, pending)

@@ -61,15 +61,15 @@ def local_grad_norm(model_parts: list[nn.Module]) -> torch.Tensor:
 
 
 def gather_rank_stats(local_loss: torch.Tensor, local_norm: torch.Tensor) -> torch.Tensor:
-    """Each rank's (loss, grad norm) -> [W, 2] fp64 on the host of every rank, in global rank
-    order. `local_loss` is the rank's share of the global mean loss (the shares sum to it)."""
+    """Each rank's (loss, grad norm) -> [W, 2] fp64 on every rank's device, in global rank order, read
+    back with the step's log. `local_loss` is the rank's share of the global mean loss (the shares sum to it)."""
     device = local_loss.device  # NCCL needs it on the GPU
     mine = torch.stack([local_loss.detach().double().reshape(()), local_norm.detach().double().reshape(()).to(device)])
     if not dist.is_initialized():
-        return mine.view(1, 2).cpu()
+        return mine.view(1, 2)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, mine)
-    return torch.stack(everyone).cpu()
+    return torch.stack(everyone)
 
 
 def ep_rank_loads(loads: torch.Tensor, ep: int) -> torch.Tensor:

@@ -185,10 +185,10 @@ def refresh_working_copies(model: nn.Module, *args) -> None:
 
 
 @torch.no_grad()
-def stale_working_copies(model: nn.Module) -> list[str]:
-    """The working copies whose bits differ from their master weight's cast (between optimizer steps all
-    are current: a weight changed behind the experts' back): a training-health check, one pass over the
-    weights and copies of each kernels backend (ops.copies_differ), one host sync."""
+def working_copy_flags(model: nn.Module) -> tuple[list[str], torch.Tensor | None]:
+    """The check of stale_working_copies, launched: each working copy's name and, on the device, a flag that
+    is set where its bits differ from its master weight's cast (None without working copies). One pass over
+    the weights and copies of each kernels backend (ops.copies_differ); nothing read back."""
     checks: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # backend -> (name, weight, copy)
     for path, module in model.named_modules():
         if isinstance(module, GroupedExperts):
@@ -196,8 +196,16 @@ def stale_working_copies(model: nn.Module) -> list[str]:
                 weight = _local(getattr(module, name).detach())
                 checks.setdefault(module.kernels, []).append(
                     (f"{path}.{name}" if path else name, weight, module.working[name]))
-    stale = []
+    names, flags = [], []
     for backend, found in checks.items():
-        flags = ops.copies_differ([w for _, w, _ in found], [c for _, _, c in found], backend=backend).tolist()
-        stale += [name for (name, _, _), differ in zip(found, flags) if differ]
-    return stale
+        names += [name for name, _, _ in found]
+        flags.append(ops.copies_differ([w for _, w, _ in found], [c for _, _, c in found], backend=backend))
+    return names, torch.cat(flags) if flags else None
+
+
+def stale_working_copies(model: nn.Module) -> list[str]:
+    """The working copies whose bits differ from their master weight's cast (between optimizer steps all
+    are current: a weight changed behind the experts' back): a training-health check (working_copy_flags),
+    read back at once (one host sync). Training reads it with its step's log (metrics.py)."""
+    names, flags = working_copy_flags(model)
+    return [] if flags is None else [name for name, differ in zip(names, flags.tolist()) if differ]

@@ -16,6 +16,8 @@ PLAN.json is a list of operations that every rank runs in order:
     {"train": [...], "clip": "torchtitan"}       with torchtitan's clip_grad_norm_ (a multiply of the gradients)
                                                instead of ours (the clipping inside the optimizer's update)
     {"train": [...], "batches": N}             the data runs out after N batches (torchtitan ends the run there)
+    {"train": [...], "order": path}            rank 0 writes, in order, each optimizer step ["step", N] and each
+                                               step line ["line", N] (with "batches" too)
     {"stale": [...], "out": path}              a run whose layer 0 w2 working copy is changed after step 2's
                                                update, which must stop; rank 0 writes the error
     {"train": [...], "step": "torchtitan"}       with torchtitan's Trainer.train_step (host syncs at its start)
@@ -105,6 +107,31 @@ def batches(n: int):
                 yield batch
 
         trainer.batch_generator = limited
+
+    return adapt
+
+
+def record_order(out: str):
+    """adapt(trainer) for `train`: rank 0 writes each optimizer step and each step line to `out`, in order."""
+
+    def adapt(trainer) -> None:
+        events = []
+        step, log = trainer.optimizers.step, trainer.metrics_processor.log
+
+        def record(event):
+            events.append(event)
+            if dist.get_rank() == 0:
+                Path(out).write_text(json.dumps(events))
+
+        def stepped(*args, **kwargs):
+            step(*args, **kwargs)
+            record(["step", trainer.step])
+
+        def logged(step_logged, *args, **kwargs):
+            record(["line", step_logged])
+            log(step_logged, *args, **kwargs)
+
+        trainer.optimizers.step, trainer.metrics_processor.log = stepped, logged
 
     return adapt
 
@@ -253,8 +280,10 @@ def run_plan(plan: list[dict]) -> None:
                 train(op["train"], torchtitans_clip)
             elif "train" in op and op.get("step") == "torchtitan":
                 train(op["train"], torchtitans_step)
-            elif "train" in op and "batches" in op:
-                train(op["train"], batches(op["batches"]))
+            elif "train" in op and ("batches" in op or "order" in op):
+                adapts = [*([batches(op["batches"])] if "batches" in op else []),
+                          *([record_order(op["order"])] if "order" in op else [])]
+                train(op["train"], lambda trainer: [adapt(trainer) for adapt in adapts])
             elif "train" in op:
                 train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)
             elif "stale" in op:

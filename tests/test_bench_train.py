@@ -2,6 +2,7 @@
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -181,3 +182,38 @@ def test_repeat_trains_rounds_of_every_variant_and_reports_medians_ranges_and_ro
     assert "3 rounds of every variant" in report
     with pytest.raises(SystemExit):
         bench_train.parse_args(["configs/debug.toml", "--repeat", "0"])
+
+
+def test_report_writes_the_tables_of_the_runs_in_out_without_training(tmp_path, monkeypatch):
+    # A bench stopped after its last run's timed steps (a call's time limit) left its runs and no tables.
+    from torchtitan_moe import bench_train
+
+    def fake_training(config, dump, overrides, nproc, log):
+        dump.mkdir(parents=True, exist_ok=True)
+        tps = 300.0 if "--compile.enable" in overrides else 200.0
+        rows = [{"step": s, "loss": 5.0, "throughput(tps)": tps * s, "tflops": 1.0, "memory/max_reserved(GiB)": 1.0}
+                for s in (1, 2, 3)]
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return 0
+
+    args = [str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "compiled,eager", "--routers",
+            "learned", "--steps", "3", "--warmup", "1", "--nproc", "2", "--out", str(tmp_path)]
+    monkeypatch.setattr(bench_train, "run_training", fake_training)
+    assert main(args) == 0
+    trained = json.loads((tmp_path / "bench_train.json").read_text())
+    (tmp_path / "bench_train.md").unlink()
+
+    def no_training(*args):
+        raise AssertionError("--report trained a run")
+
+    monkeypatch.setattr(bench_train, "run_training", no_training)
+    assert main([*args, "--report"]) == 0
+    assert json.loads((tmp_path / "bench_train.json").read_text()) == trained
+    assert trained["ours/local learned compiled"]["tps"] == 750.0  # median of steps 2 and 3
+    report = (tmp_path / "bench_train.md").read_text()
+    assert report.startswith(f"the runs in {tmp_path}, trained earlier (--report)\n")
+    assert "| ours/local learned compiled | 750 |" in report
+    # a run missing from --out is reported as failed, as a run that wrote no metrics
+    shutil.rmtree(tmp_path / "ours_local_learned_eager")
+    assert main([*args, "--report"]) == 1
+    assert "failed" in json.loads((tmp_path / "bench_train.json").read_text())["ours/local learned eager"]

@@ -101,7 +101,7 @@ def launched(tmp_path_factory) -> Path:
         if name.endswith("_torchtitan_step"):
             op.update(step="torchtitan")
         if name == "data_runs_out":
-            op.update(batches=5)
+            op.update(batches=5, order=str(d / "data_runs_out.order.json"))
     # A working copy changed behind the update's back after step 2 (a monitor step) stops the run.
     plan.append({"stale": ["--job.dump_folder", str(d / "stale"), "--training.steps", "4", "--checks.monitor_freq",
                            "2", "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param",
@@ -249,7 +249,11 @@ def test_our_train_step_trains_as_torchtitans_bit_for_bit(runs):
         assert a["throughput(tps)"] > 0
 
 
-def test_a_run_whose_data_runs_out_writes_its_last_logged_step(runs):
+def test_a_step_line_is_written_once_the_next_step_is_queued(launched, runs):
+    # Reading a logged step's values before the next step is queued would drain the GPU (train_step.py).
+    # Step 5's line comes when step 6 finds no data; then the run ends, its line written.
+    order = json.loads((launched / "data_runs_out.order.json").read_text())
+    assert order == [["step", 1], ["step", 2], ["line", 1], ["step", 3], ["step", 4], ["step", 5], ["line", 5]]
     assert [r["step"] for r in runs["data_runs_out"]] == [1, 5]
     assert runs["data_runs_out"][-1]["throughput(tps)"] > 0
 

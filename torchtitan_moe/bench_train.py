@@ -35,6 +35,9 @@ needs several rounds to show.
 (torchtitan_moe/gpu_power.py) and adds a table of their medians over each run's timed steps: a run slower
 because its GPUs ran slower (at the power cap, or hot) shows there; one slower at the same clocks points at the host.
 
+--report trains nothing: it writes the tables of the runs already in --out, given the arguments they ran
+with (a bench stopped before its tables, e.g. by a time limit after its last run's timed steps).
+
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
 breakdown to the report: GPU busy and idle, launches, host syncs, GPU time per kernel class, the
@@ -333,6 +336,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="sample the GPUs' power, SM clock, temperature and clock-limit reasons (nvidia-smi) through each run")
     parser.add_argument("--profile", action="store_true", help="add each variant's step-time breakdown")
     parser.add_argument("--out", default="outputs/bench_train")
+    parser.add_argument("--report", action="store_true",
+                        help="train nothing: the tables of the runs already in --out, from the same arguments "
+                             "(a bench stopped before it wrote them)")
     args = parser.parse_args(argv)
     args.extra = extra
     try:
@@ -371,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     local_batch = config_value(args.config, args.extra, "training.local_batch_size", 8)  # torchtitan's default
     seed = config_value(args.config, args.extra, "debug.seed", args.seed)
     models = args.models.split(",") if args.models else available_models(ep)
-    if args.gpu_power:
+    if args.gpu_power and not args.report:
         gpu_power.nvidia_smi()  # before anything trains
     combinations = vary_combinations(args.vary)
     check_combinations(args.config, args.extra, combinations, nproc)
@@ -387,16 +393,23 @@ def main(argv: list[str] | None = None) -> int:
             if v.name in failed:
                 continue
             slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", v.name) + (f"_run{round_}" if args.repeat > 1 else "")
-            dump, log = out / slug, out / f"{slug}.log"
-            (dump / "metrics.jsonl").unlink(missing_ok=True)
-            again = f", round {round_} of {args.repeat}" if args.repeat > 1 else ""
-            print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes{again}", flush=True)
-            overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
-                         "--metrics.log_freq", str(args.log_freq), "--debug.seed", str(seed),
-                         *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
-            samples = out / f"{slug}.gpus.csv"
-            with gpu_power.GPUSampler(samples) if args.gpu_power else contextlib.nullcontext():
-                code = run_training(args.config, dump, overrides, nproc, log)
+            dump, log, samples = out / slug, out / f"{slug}.log", out / f"{slug}.gpus.csv"
+            if args.report:  # the run is in --out already (or failed there)
+                code = 0
+            else:
+                (dump / "metrics.jsonl").unlink(missing_ok=True)
+                again = f", round {round_} of {args.repeat}" if args.repeat > 1 else ""
+                print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes{again}",
+                      flush=True)
+                overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
+                             "--metrics.log_freq", str(args.log_freq), "--debug.seed", str(seed),
+                             *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
+                with gpu_power.GPUSampler(samples) if args.gpu_power else contextlib.nullcontext():
+                    code = run_training(args.config, dump, overrides, nproc, log)
+            if args.report and not (dump / "metrics.jsonl").exists():
+                failed[v.name] = {"failed": f"no run in {dump}"}
+                print(f"  {v.name}: no run in {dump}", flush=True)
+                continue
             if code != 0 or not (dump / "metrics.jsonl").exists():
                 failed[v.name] = {"failed": f"exit {code}, {log}"}
                 print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
@@ -430,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     print(report)
     untimed = f", the last {PROFILED_STEPS + 1} (profiled) left out" if args.profile else ""
     rounds = f"; {args.repeat} rounds of every variant, medians of the runs" if args.repeat > 1 else ""
-    header = (f"config: {args.config} {' '.join(args.extra)}\n"
+    rebuilt = f"the runs in {out}, trained earlier (--report)\n" if args.report else ""
+    header = (rebuilt + f"config: {args.config} {' '.join(args.extra)}\n"
               f"steps: {args.steps}, medians after step {args.warmup}{untimed}, {nproc} processes{rounds}\n\n")
     (out / "bench_train.md").write_text(header + report + "\n")
     (out / "bench_train.json").write_text(json.dumps(results, indent=1))

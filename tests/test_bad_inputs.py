@@ -237,3 +237,16 @@ def test_the_launcher_prints_a_refusal_in_one_line_and_launches_nothing(tmp_path
     assert result.returncode == 2
     assert (result.stdout + result.stderr).strip().splitlines() == ["config error: [optimizer] lr = -1.0: must be a number >= 0"]
     assert not any(tmp_path.iterdir())  # no worker started
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["bogus"], "gpu tier: part 'bogus': expected all, kernels, e2e or test paths under tests/"),
+    (["tests/test_overlap.py", "tests/nope.py::test_x"],
+     "gpu tier: test path 'tests/nope.py::test_x': no such file or directory"),
+])
+def test_the_gpu_tier_refuses_a_bad_selection_in_one_line(tmp_path, args, expected):
+    # before it looks for a GPU: the same line on a CPU machine
+    result = subprocess.run(["bash", "scripts/gpu_tests.sh", str(tmp_path), *args], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "PYTHON": sys.executable})
+    assert result.returncode == 2
+    assert (result.stdout + result.stderr).strip().splitlines() == [expected]

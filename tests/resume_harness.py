@@ -18,6 +18,7 @@ PLAN.json is a list of operations that every rank runs in order:
     {"train": [...], "batches": N}             the data runs out after N batches (torchtitan ends the run there)
     {"train": [...], "order": path}            rank 0 writes, in order, each optimizer step ["step", N] and each
                                                step line ["line", N] (with "batches" too)
+    {"train": [...], "slow_step": [N, S]}      step N's optimizer step takes S seconds longer (a sleep)
     {"stale": [...], "out": path}              a run whose layer 0 w2 working copy is changed after step 2's
                                                update, which must stop; rank 0 writes the error
     {"train": [...], "step": "torchtitan"}       with torchtitan's Trainer.train_step (host syncs at its start)
@@ -34,6 +35,7 @@ import dataclasses
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -132,6 +134,22 @@ def record_order(out: str):
             log(step_logged, *args, **kwargs)
 
         trainer.optimizers.step, trainer.metrics_processor.log = stepped, logged
+
+    return adapt
+
+
+def slow_step(step_slowed: int, seconds: float):
+    """adapt(trainer) for `train`: step `step_slowed`'s optimizer step sleeps `seconds` first."""
+
+    def adapt(trainer) -> None:
+        step = trainer.optimizers.step
+
+        def slowed(*args, **kwargs):
+            if trainer.step == step_slowed:
+                time.sleep(seconds)
+            step(*args, **kwargs)
+
+        trainer.optimizers.step = slowed
 
     return adapt
 
@@ -280,9 +298,10 @@ def run_plan(plan: list[dict]) -> None:
                 train(op["train"], torchtitans_clip)
             elif "train" in op and op.get("step") == "torchtitan":
                 train(op["train"], torchtitans_step)
-            elif "train" in op and ("batches" in op or "order" in op):
+            elif "train" in op and ("batches" in op or "order" in op or "slow_step" in op):
                 adapts = [*([batches(op["batches"])] if "batches" in op else []),
-                          *([record_order(op["order"])] if "order" in op else [])]
+                          *([record_order(op["order"])] if "order" in op else []),
+                          *([slow_step(*op["slow_step"])] if "slow_step" in op else [])]
                 train(op["train"], lambda trainer: [adapt(trainer) for adapt in adapts])
             elif "train" in op:
                 train(op["train"], data_of_ranks(op["data_of_ranks"]) if "data_of_ranks" in op else None)

@@ -10,6 +10,8 @@
   the experts under FSDP2 do, their gradients kept in bf16 on the copies too (2 GPUs);
 - a train step that logs nothing never makes the host wait for the GPU (CUDA's sync debug mode; EP = 2
   on 2 GPUs, else 1);
+- a step line's time is the GPU's: a mark (train_step.mark) after 0.1 s of GPU work queued in no time is
+  0.1 s after the one before it;
 - the all-to-all dispatcher's CUDA path (NCCL, Triton kernels, split sizes read through pinned
   memory) matches the local dispatcher on a one-rank group: it runs where 2 GPUs are not to be had.
 
@@ -188,3 +190,15 @@ def one_gpu_worker(rank: int, world: int, port: int, failures):
 
 def test_all_to_all_on_one_gpu_matches_local_dispatcher():
     run_ranks(one_gpu_worker, 1)
+
+
+def test_a_step_mark_times_the_gpus_work_not_the_hosts():
+    from torchtitan_moe.train_step import mark, seconds_between
+
+    cuda = torch.device("cuda")
+    torch.cuda.synchronize()
+    start = mark(cuda)
+    torch.cuda._sleep(200_000_000)  # 200M cycles: 0.1 s or more at <= 2 GHz, queued at once
+    end = mark(cuda)
+    assert isinstance(start, torch.cuda.Event) and not end.query()  # the host has not waited for it
+    assert 0.09 < seconds_between(start, end) < 2.0

@@ -56,6 +56,10 @@ RUNS["recipe_torchtitan_step"] = RUNS["recipe"]
 # A logging step's line is written once the next step is queued (train_step.py): a run whose data runs out
 # after step 5 (the data_runs_out op: 5 batches) still writes step 5's.
 RUNS["data_runs_out"] = ["--training.steps", "10", "--metrics.log_freq", "5"]
+# Each line timed from the last logged step's end to its own (train_step.mark), not from line to line:
+# step 2's optimizer step takes SLOW seconds longer, every step logged.
+SLOW = 3.0
+RUNS["slow_step_2"] = ["--training.steps", "4"]
 # The routers' gates sharded by rows ([parallelism] router = "auto" here) against FSDP2's router groups.
 RUNS["recipe_router_fsdp"] = [*RUNS["recipe"], "--parallelism.router", "fsdp"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
@@ -102,6 +106,8 @@ def launched(tmp_path_factory) -> Path:
             op.update(step="torchtitan")
         if name == "data_runs_out":
             op.update(batches=5, order=str(d / "data_runs_out.order.json"))
+        if name == "slow_step_2":
+            op.update(slow_step=[2, SLOW])
     # A working copy changed behind the update's back after step 2 (a monitor step) stops the run.
     plan.append({"stale": ["--job.dump_folder", str(d / "stale"), "--training.steps", "4", "--checks.monitor_freq",
                            "2", "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param",
@@ -256,6 +262,15 @@ def test_a_step_line_is_written_once_the_next_step_is_queued(launched, runs):
     assert order == [["step", 1], ["step", 2], ["line", 1], ["step", 3], ["step", 4], ["step", 5], ["line", 5]]
     assert [r["step"] for r in runs["data_runs_out"]] == [1, 5]
     assert runs["data_runs_out"][-1]["throughput(tps)"] > 0
+
+
+def test_each_line_times_its_own_steps(runs):
+    # Written a step late, line 1 would also time step 2 (its slow optimizer step) and the last line would
+    # come right after the one before it (a time near 0, a huge throughput).
+    seconds = [r["time_metrics/end_to_end(s)"] for r in runs["slow_step_2"]]
+    assert [r["step"] for r in runs["slow_step_2"]] == [1, 2, 3, 4]
+    assert seconds[1] >= SLOW and max(seconds[0], seconds[2], seconds[3]) < SLOW, seconds
+    assert min(seconds) > 0.01, seconds
 
 
 def test_a_stale_working_copy_stops_the_run_after_writing_its_step(launched):

@@ -129,11 +129,13 @@ class MoEMetricsProcessor(MetricsProcessor):
 
     def log(self, step: int, global_avg_loss: float, global_max_loss: float, grad_norm: float,
             extra_metrics: dict[str, Any] | None = None, state: StepState | None = None,
-            ntokens: int | None = None) -> None:
-        """The step line and record. `state` (step_state's, its tensors on the host) and `ntokens` (the tokens
-        since the last logged step) where they were taken when the step ended (train_step.py), else (torchtitan's
-        own step, pipeline parallelism) taken now. The time is from the last line to this one."""
-        elapsed = time.perf_counter() - self.time_last_log
+            ntokens: int | None = None, elapsed: float | None = None) -> None:
+        """The step line and record. `state` (step_state's, its tensors on the host), `ntokens` (the tokens
+        since the last logged step) and `elapsed` (the seconds from its end to this step's) where they were
+        taken when the step ended (train_step.py), else (torchtitan's own step, pipeline parallelism) taken
+        now: the time from the last line to this one."""
+        if elapsed is None:
+            elapsed = time.perf_counter() - self.time_last_log
         if ntokens is None:
             ntokens, self.ntokens_since_last_log = self.ntokens_since_last_log, 0
         tps = ntokens / (elapsed * self.parallel_dims.non_data_parallel_size)

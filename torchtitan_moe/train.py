@@ -69,6 +69,7 @@ class MoETrainer(Trainer):
         MoE.aux_loss_scale = 1.0 / (self.gradient_accumulation_steps * batch_degree)
         self._local_losses: list[torch.Tensor] = []
         self.pending_log = None  # a logging step's values, read once the next step is queued (train_step.py)
+        self.log_mark = None  # where the last logged step ended (train_step.mark): the next line's time starts
         self.ours = job_config.model.name == qwen3_moe.NAME  # not the torchtitan_qwen3_moe baseline
         if job_config.checkpoint.enable and self.ours:
             record_model_args(self.checkpointer, self.model_args, self.checkpointer.export_dtype)

@@ -17,8 +17,11 @@ steps; 78,575 tokens/s/GPU here against 69,720-71,261 in the same position befor
 worklogs/2026-11-27-session15-h200x2.md). Here a logging step launches what it reads (the reductions, copies to pinned
 memory behind one event) and its line is written once the next step is queued (PendingLog): the
 read waits for the logged step alone while the GPU works on the next. The line and the run's
-monitors come one step later (the last step's at once); the throughput between two lines counts
-the same steps as before, timed from one logged step's end to the next's.
+monitors come one step later (the last step's at once). A line's throughput counts the steps since
+the last logged one, timed from that step's end to this one's as the device ran them (`mark`: CUDA
+timing events on a GPU, whose host runs ahead; the host's clock on a CPU), not when the lines are
+written: the last step's line comes right after the one before it, and a first line written after
+step 2 would have timed step 2 as well.
 
 The same arithmetic: the loss of each micro-batch is its summed loss / the global count of
 valid tokens (a device tensor here; in torchtitan's data-parallel branch a Python number, which
@@ -29,6 +32,7 @@ and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +52,8 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def train_step(trainer, data_iterator) -> None:
     """One optimizer step of `trainer` (a torchtitan Trainer without pipeline parallelism)."""
+    if trainer.log_mark is None:  # the run's first step: its line is timed from here
+        trainer.log_mark = mark(trainer.device)
     trainer.optimizers.zero_grad()
     lr = trainer.lr_schedulers.schedulers[0].get_last_lr()[0]
     dims, device = trainer.parallel_dims, trainer.device
@@ -87,6 +93,27 @@ def train_step(trainer, data_iterator) -> None:
         flush_log(trainer)
 
 
+Mark = torch.cuda.Event | float
+
+
+def mark(device: torch.device) -> Mark:
+    """Now, in the order `device` runs its work: a CUDA timing event recorded on the current stream, or on a
+    CPU (whose work is done when its call returns) the host's clock."""
+    if device.type != "cuda":
+        return time.perf_counter()
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def seconds_between(start: Mark, end: Mark) -> float:
+    """Seconds from mark `start` to mark `end` (on a GPU once the device has reached `end`: it waits)."""
+    if isinstance(start, float):
+        return end - start
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 class HostCopies:
     """Tensors copied to the host behind the work queued so far, without the host waiting: on a GPU
     into pinned memory behind one event, which `read` waits for (that work, not what was queued since)."""
@@ -117,6 +144,7 @@ class PendingLog:
     ntokens: int  # this rank's tokens since the last logged step, the line's throughput
     values: HostCopies  # loss, max_loss, grad_norm (+ ntokens_seen) and the metrics' StepState tensors
     stale_names: list[str]
+    end: Mark  # the step's end, its log's reductions and copies included
 
 
 def start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tokens) -> PendingLog:
@@ -137,7 +165,8 @@ def start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tok
     state = metrics.step_state(trainer.step)
     values.update({f"state/{name}": t for name, t in state.tensors.items()})
     ntokens, metrics.ntokens_since_last_log = metrics.ntokens_since_last_log, 0
-    return PendingLog(trainer.step, lr, trainer.ntokens_seen, ntokens, HostCopies(values), state.stale_names)
+    copies = HostCopies(values)
+    return PendingLog(trainer.step, lr, trainer.ntokens_seen, ntokens, copies, state.stale_names, mark(trainer.device))
 
 
 def finish_log(trainer, pending: PendingLog) -> None:
@@ -146,10 +175,11 @@ def finish_log(trainer, pending: PendingLog) -> None:
     state = StepState({name.removeprefix("state/"): t for name, t in values.items() if name.startswith("state/")},
                       pending.stale_names)
     ntokens_seen = int(values["ntokens_seen"]) if "ntokens_seen" in values else pending.ntokens_seen
+    elapsed, trainer.log_mark = seconds_between(trainer.log_mark, pending.end), pending.end
     trainer.metrics_processor.log(pending.step, float(values["loss"]), float(values["max_loss"]),
                                   float(values["grad_norm"]), extra_metrics={"n_tokens_seen": ntokens_seen,
                                                                              "lr": pending.lr},
-                                  state=state, ntokens=pending.ntokens)
+                                  state=state, ntokens=pending.ntokens, elapsed=elapsed)
 
 
 def flush_log(trainer) -> None:

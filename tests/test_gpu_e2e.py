@@ -39,6 +39,7 @@ from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 
 from torchtitan_moe.data.synthetic import chain_entropy
 from torchtitan_moe.parity import main as parity
+from torchtitan_moe.train_step import mark, seconds_between
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.toml")
@@ -193,8 +194,6 @@ def test_all_to_all_on_one_gpu_matches_local_dispatcher():
 
 
 def test_a_step_mark_times_the_gpus_work_not_the_hosts():
-    from torchtitan_moe.train_step import mark, seconds_between
-
     cuda = torch.device("cuda")
     torch.cuda.synchronize()
     start = mark(cuda)

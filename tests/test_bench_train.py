@@ -184,6 +184,50 @@ def test_repeat_trains_rounds_of_every_variant_and_reports_medians_ranges_and_ro
         bench_train.parse_args(["configs/debug.toml", "--repeat", "0"])
 
 
+def test_resume_trains_only_the_runs_a_time_limit_cut_off_and_reports_every_round(tmp_path, monkeypatch):
+    # A device call's time limit kills the bench in round 2's second run, after it wrote some of its steps.
+    from torchtitan_moe import bench_train
+
+    trained = []
+
+    def fake_training(config, dump, overrides, nproc, log, cut_off=None):
+        trained.append(dump.name)
+        dump.mkdir(parents=True, exist_ok=True)
+        tps = (300.0 if "--compile.enable" in overrides else 200.0) * int(dump.name[-1])
+        rows = [{"step": s, "loss": 5.0, "throughput(tps)": tps, "tflops": 1.0, "memory/max_reserved(GiB)": 1.0}
+                for s in (1, 2, 3)]
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:2 if dump.name == cut_off else 3]))
+        if dump.name == cut_off:
+            raise KeyboardInterrupt  # the call's timeout: no exit code, half a run in --out
+        return 0
+
+    args = [str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "compiled,eager", "--routers",
+            "learned", "--steps", "3", "--warmup", "1", "--nproc", "2", "--repeat", "3", "--out", str(tmp_path)]
+    monkeypatch.setattr(bench_train, "run_training",
+                        lambda *a: fake_training(*a, cut_off="ours_local_learned_compiled_run2"))
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    # round 2 runs in reverse order: eager, then compiled (cut off)
+    assert trained == ["ours_local_learned_compiled_run1", "ours_local_learned_eager_run1",
+                       "ours_local_learned_eager_run2", "ours_local_learned_compiled_run2"]
+    trained.clear()
+    monkeypatch.setattr(bench_train, "run_training", fake_training)
+    assert main([*args, "--resume"]) == 0
+    assert trained == ["ours_local_learned_compiled_run2", "ours_local_learned_compiled_run3",
+                       "ours_local_learned_eager_run3"]
+    results = json.loads((tmp_path / "bench_train.json").read_text())
+    assert results["ours/local learned compiled"]["tps_runs"] == [300.0, 600.0, 900.0]
+    assert results["ours/local learned eager"]["tps_runs"] == [200.0, 400.0, 600.0]
+    assert (tmp_path / "bench_train.md").read_text().startswith(f"3 of the runs finished earlier in {tmp_path} (--resume)")
+    # a run without its marker (it failed, or was cut off) is trained again, not read back
+    trained.clear()
+    (tmp_path / "ours_local_learned_eager_run1" / "bench_train.finished").unlink()
+    assert main([*args, "--resume"]) == 0
+    assert trained == ["ours_local_learned_eager_run1"]
+    with pytest.raises(SystemExit):
+        bench_train.parse_args([*args, "--resume", "--report"])
+
+
 def test_report_writes_the_tables_of_the_runs_in_out_without_training(tmp_path, monkeypatch):
     # A bench stopped after its last run's timed steps (a call's time limit) left its runs and no tables.
     from torchtitan_moe import bench_train

@@ -3,7 +3,8 @@
     python -m torchtitan_moe.bench_train CONFIG [--steps 30] [--warmup 5] [--nproc N]
         [--models torchtitan,all_to_all,deepep] [--routers learned,balanced]
         [--modes eager,compiled] [--grad-accum 1,8] [--vary section.key=v1,v2 ...] [--log-freq 1]
-        [--repeat 1] [--seed 0] [--gpu-power] [--profile] [--out DIR] [-- --section.key value ...]
+        [--repeat 1] [--seed 0] [--gpu-power] [--profile] [--out DIR] [--report | --resume]
+        [-- --section.key value ...]
 
 Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours with each
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
@@ -37,6 +38,9 @@ because its GPUs ran slower (at the power cap, or hot) shows there; one slower a
 
 --report trains nothing: it writes the tables of the runs already in --out, given the arguments they ran
 with (a bench stopped before its tables, e.g. by a time limit after its last run's timed steps).
+
+--resume trains only the runs that did not finish in --out (a bench a time limit stopped, e.g. a device call's):
+the finished ones are read back as --report reads them, and the rounds keep their order.
 
 --profile also traces the last PROFILED_STEPS steps of every variant (torch.profiler through
 torchtitan's [profiling]; those steps are left out of the medians) and adds each variant's step-time
@@ -122,6 +126,14 @@ def profile_of(dump: Path, steps: int) -> dict | None:
     if 0 not in by_rank:
         return None
     return {**by_rank[0], "by_rank": by_rank} if len(by_rank) > 1 else by_rank[0]
+
+
+FINISHED = "bench_train.finished"  # written in a run's dump folder once its training exited 0
+
+
+def finished(dump: Path) -> bool:
+    """Whether the run in `dump` trained to its end (a run cut off by a time limit left no marker)."""
+    return (dump / FINISHED).exists() and (dump / "metrics.jsonl").exists()
 
 
 def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
@@ -339,8 +351,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--report", action="store_true",
                         help="train nothing: the tables of the runs already in --out, from the same arguments "
                              "(a bench stopped before it wrote them)")
+    parser.add_argument("--resume", action="store_true",
+                        help="train only the runs not finished in --out, from the same arguments (a bench a time "
+                             "limit stopped goes on where it stopped)")
     args = parser.parse_args(argv)
     args.extra = extra
+    if args.report and args.resume:
+        parser.error("--report trains nothing, --resume trains what is missing: pass one of them")
     try:
         args.grad_accum = [int(n) for n in args.grad_accum.split(",")]
     except ValueError:
@@ -388,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     runs: dict[str, list[dict]] = {v.name: [] for v in variants}
     failed: dict[str, dict] = {}
+    resumed = 0
     for round_ in range(1, args.repeat + 1):
         for i, v in enumerate(variants if round_ % 2 else variants[::-1], 1):
             if v.name in failed:
@@ -396,6 +414,11 @@ def main(argv: list[str] | None = None) -> int:
             dump, log, samples = out / slug, out / f"{slug}.log", out / f"{slug}.gpus.csv"
             if args.report:  # the run is in --out already (or failed there)
                 code = 0
+            elif args.resume and finished(dump):
+                code = 0
+                resumed += 1
+                print(f"bench_train [{i}/{len(variants)}] {v.name}: round {round_}'s run is in {dump} (--resume)",
+                      flush=True)
             else:
                 (dump / "metrics.jsonl").unlink(missing_ok=True)
                 again = f", round {round_} of {args.repeat}" if args.repeat > 1 else ""
@@ -404,8 +427,11 @@ def main(argv: list[str] | None = None) -> int:
                 overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
                              "--metrics.log_freq", str(args.log_freq), "--debug.seed", str(seed),
                              *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
+                (dump / FINISHED).unlink(missing_ok=True)
                 with gpu_power.GPUSampler(samples) if args.gpu_power else contextlib.nullcontext():
                     code = run_training(args.config, dump, overrides, nproc, log)
+                if code == 0 and dump.is_dir():
+                    (dump / FINISHED).write_text("")
             if args.report and not (dump / "metrics.jsonl").exists():
                 failed[v.name] = {"failed": f"no run in {dump}"}
                 print(f"  {v.name}: no run in {dump}", flush=True)
@@ -444,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     untimed = f", the last {PROFILED_STEPS + 1} (profiled) left out" if args.profile else ""
     rounds = f"; {args.repeat} rounds of every variant, medians of the runs" if args.repeat > 1 else ""
     rebuilt = f"the runs in {out}, trained earlier (--report)\n" if args.report else ""
+    if resumed:
+        rebuilt = f"{resumed} of the runs finished earlier in {out} (--resume)\n"
     header = (rebuilt + f"config: {args.config} {' '.join(args.extra)}\n"
               f"steps: {args.steps}, medians after step {args.warmup}{untimed}, {nproc} processes{rounds}\n\n")
     (out / "bench_train.md").write_text(header + report + "\n")

@@ -19,6 +19,8 @@ PLAN.json is a list of operations that every rank runs in order:
     {"train": [...], "order": path}            rank 0 writes, in order, each optimizer step ["step", N] and each
                                                step line ["line", N] (with "batches" too)
     {"train": [...], "slow_step": [N, S]}      step N's optimizer step takes S seconds longer (a sleep)
+    {"train": [...], "data_workers": path}     rank 0 writes the exit codes of the run's data worker processes
+                                               once the run is over (0: stopped when told; None: still running)
     {"stale": [...], "out": path}              a run whose layer 0 w2 working copy is changed after step 2's
                                                update, which must stop; rank 0 writes the error
     {"train": [...], "step": "torchtitan"}       with torchtitan's Trainer.train_step (host syncs at its start)
@@ -280,6 +282,16 @@ def split_rows(out: str) -> None:
         Path(out).write_text(json.dumps({"to_hf_exact": to_hf_exact, "round_trip_exact": round_trip_exact}))
 
 
+def data_workers(overrides: list[str], out: str) -> None:
+    """A run, then its data workers' exit codes: the trainer's close() must have stopped them (the
+    loader kept here keeps its iterator, and so its workers, from the garbage collector)."""
+    loaders = []
+    train(overrides, lambda trainer: loaders.append(trainer.dataloader))
+    workers = loaders[0]._iterator._workers
+    if dist.get_rank() == 0:
+        Path(out).write_text(json.dumps([w.exitcode for w in workers]))
+
+
 def main(plan_path: str) -> int:
     plan = json.loads(Path(plan_path).read_text())
     with shared_group(["--job.config_file", DEBUG]):
@@ -298,6 +310,8 @@ def run_plan(plan: list[dict]) -> None:
                 train(op["train"], torchtitans_clip)
             elif "train" in op and op.get("step") == "torchtitan":
                 train(op["train"], torchtitans_step)
+            elif "train" in op and "data_workers" in op:
+                data_workers(op["train"], op["data_workers"])
             elif "train" in op and ("batches" in op or "order" in op or "slow_step" in op):
                 adapts = [*([batches(op["batches"])] if "batches" in op else []),
                           *([record_order(op["order"])] if "order" in op else []),

@@ -112,6 +112,9 @@ def launched(tmp_path_factory) -> Path:
     plan.append({"stale": ["--job.dump_folder", str(d / "stale"), "--training.steps", "4", "--checks.monitor_freq",
                            "2", "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param",
                            "bfloat16"], "out": str(d / "stale.txt")})
+    # A run's close() stops its data worker (the debug config has one), not the garbage collector 5 s later.
+    plan.append({"train": ["--job.dump_folder", str(d / "workers"), "--training.steps", "2"],
+                 "data_workers": str(d / "data_workers.json")})
     torchrun_plan(plan, d)
     return d
 
@@ -124,6 +127,12 @@ def runs(launched):
         with open(launched / name / "metrics.jsonl") as f:
             out[name] = [json.loads(line) for line in f]
     return out
+
+
+def test_a_run_stops_its_data_worker_when_it_closes(launched):
+    # Left to the garbage collector, the worker never got its stop signal and was killed after 5 s
+    # (torchtitan_moe/data: stop_workers): 5 s of every run in a multi-run launch.
+    assert json.loads((launched / "data_workers.json").read_text()) == [0]
 
 
 def test_two_process_debug_run_learns(runs):

@@ -22,6 +22,7 @@ from torchtitan_moe.checks import run_router_init_checks
 from torchtitan_moe.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config import ConfigError
 from torchtitan_moe.config_loader import load_job_config
+from torchtitan_moe.data import stop_workers
 from torchtitan_moe.models import qwen3_moe
 from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
@@ -81,6 +82,7 @@ class MoETrainer(Trainer):
                                   self.gradient_accumulation_steps, self.parallel_dims.pp_enabled)
 
     def close(self) -> None:
+        stop_workers(getattr(self, "dataloader", None))
         super().close()
         replace_clip_grad_norm(lambda torchtitan_clip: torchtitan_clip)  # no later trainer steps these optimizers
 

@@ -7,7 +7,7 @@ from torchtitan_moe.data.text import LocalTextDataset
 from torchtitan_moe.data.tokenizer import build_tokenizer
 from torchtitan_moe.torchtitan_compat import ParallelAwareDataloader
 
-__all__ = ["build_dataloader", "build_tokenizer"]
+__all__ = ["build_dataloader", "build_tokenizer", "stop_workers"]
 
 
 def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, vocab_size: int):
@@ -29,3 +29,16 @@ def build_dataloader(dp_world_size: int, dp_rank: int, tokenizer, job_config, vo
     workers = job_config.data.workers  # a worker keeps two batches ready (persistent: forked once)
     return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_world_size, batch_size=training.local_batch_size,
                                    num_workers=workers, persistent_workers=workers > 0, prefetch_factor=2 if workers else None)
+
+
+def stop_workers(dataloader) -> None:
+    """Stop a DataLoader's persistent worker processes now, and wait for them (a trainer's close()).
+
+    Left to the garbage collector, the loader's iterator sits in a reference cycle with the trainer, and
+    the collector runs its queues' finalizers (which end their feeder threads) before the iterator's own:
+    the stop signal it then queues never reaches the worker, whose join waits out torch's 5 s timeout
+    before killing it. Each run of a multi-run launch (train_runs, the tests' harness) paid those 5 s.
+    A process that exits skips all this (torch's workers are daemons)."""
+    iterator = getattr(dataloader, "_iterator", None)  # torch keeps it only for persistent workers
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()

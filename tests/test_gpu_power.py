@@ -22,7 +22,7 @@ def smi_line(when: float, gpu: int, watts: float, mhz: int, celsius: int, reason
 
 def test_samples_are_read_windowed_and_summarized_per_gpu(tmp_path):
     t0 = 1_790_000_000.0
-    lines = [smi_line(t0 + i, gpu, 600 + 10 * i, 1400 + 100 * i, 60 + i, [0x4, 0x0, 0x80, 0x20][i]) for i in range(4)
+    lines = [smi_line(t0 + i, gpu, 600 + 10 * i * i, 1400 + 100 * i, 60 + i, [0x4, 0x0, 0x80, 0x20][i]) for i in range(4)
              for gpu in (0, 1)]
     lines.insert(3, f"{lines[0].split(',')[0]}, 0, [N/A], 1500, 60, 0x0")  # a sample nvidia-smi could not fill
     path = tmp_path / "gpus.csv"
@@ -32,8 +32,14 @@ def test_samples_are_read_windowed_and_summarized_per_gpu(tmp_path):
     window = gpu_power.during(samples, t0 + 1, t0 + 3)  # samples 1, 2 and 3 of each GPU
     summary = gpu_power.summarize(window)
     assert list(summary) == [0, 1]
-    assert summary[0] == {"sm_mhz": 1600.0, "watts": 620.0, "celsius": 62.0, "power_cap": 1 / 3, "thermal": 1 / 3,
-                          "samples": 3}
+    assert summary[0] == {"sm_mhz": 1600.0, "watts": 640.0, "celsius": 62.0, "mean_watts": pytest.approx(1940 / 3),
+                          "power_cap": 1 / 3, "thermal": 1 / 3, "samples": 3}
+
+
+def test_tokens_per_joule_is_tokens_per_second_over_the_gpus_mean_power():
+    gpus = {"0": {"watts": 700.0, "mean_watts": 600.0}, "1": {"watts": 700.0, "mean_watts": 400.0}}
+    assert bench_train.tokens_per_joule(50_000.0, gpus) == 100.0  # 50,000 tokens/s/GPU at 500 W a GPU
+    assert bench_train.tokens_per_joule(70_000.0, {"0": {"watts": 700.0}}) == 100.0  # a run read back from before
 
 
 def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
@@ -47,7 +53,7 @@ def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
         rows = []
         for step in (1, 2, 3):  # step 1 untimed (--warmup 1): the window runs from its log to step 3's
             time.sleep(0.3)
-            rows.append({"step": step, "time": time.time(), "loss": 5.0, "throughput(tps)": 100.0 * step,
+            rows.append({"step": step, "time": time.time(), "loss": 5.0, "throughput(tps)": 100_000.0 * step,
                          "tflops": 1.0, "memory/max_reserved(GiB)": 1.0})
         (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
         return 0
@@ -68,7 +74,9 @@ def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
                  if s.gpu == 0]
         assert gpus["0"]["samples"] == sum(times[0] <= t <= times[-1] for t in taken) < len(taken)
     report = (tmp_path / "bench_train.md").read_text()
-    assert "| ours/local learned eager | 2 | 250 | 1,500 / 1,700 | 690 / 690 | 71 / 64 | 100% / 0% | 0% / 0% |" in report
+    # 250,000 tokens/s/GPU at 670 W a GPU: 373.1 tokens per joule
+    assert ("| ours/local learned eager | 2 | 250,000 | 1,500 / 1,700 | 690 / 650 | 71 / 64 | 100% / 0% | 0% / 0% | "
+            "373.1 |") in report
 
 
 def test_gpu_power_without_nvidia_smi_is_one_error_before_anything_trains(tmp_path, monkeypatch):

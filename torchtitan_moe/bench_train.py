@@ -35,6 +35,7 @@ needs several rounds to show.
 --gpu-power samples every GPU's power draw, SM clock, temperature and clock-limit reasons with nvidia-smi through each run
 (torchtitan_moe/gpu_power.py) and adds a table of their medians over each run's timed steps: a run slower
 because its GPUs ran slower (at the power cap, or hot) shows there; one slower at the same clocks points at the host.
+Its tokens per joule (tokens/s/GPU over the GPUs' mean watts) is what a change must raise where the GPUs run at the cap.
 
 --report trains nothing: it writes the tables of the runs already in --out, given the arguments they ran
 with (a bench stopped before its tables, e.g. by a time limit after its last run's timed steps).
@@ -164,23 +165,29 @@ def gpus_during(samples: Path, run: dict) -> dict:
     return gpu_power.summarize(gpu_power.during(gpu_power.read_samples(samples), *run["window"]))
 
 
+def tokens_per_joule(tps: float, gpus: dict) -> float:
+    """A run's tokens per joule per GPU: its tokens/s/GPU over its GPUs' mean power (runs from before the mean was
+    kept, e.g. read back by --report, fall back to the median)."""
+    return tps / statistics.fmean(g.get("mean_watts", g["watts"]) for g in gpus.values())
+
+
 def gpu_table(variants: list[Variant], results: dict[str, dict]) -> str:
-    """One row per run: tokens/s/GPU beside each GPU's median SM clock, power and temperature, and the share of samples
-    at the power cap or held by heat (GPUs in index order, " / " between them)."""
-    lines = ["| variant | run | tokens/s/GPU | SM MHz | W | °C | at the power cap | held by heat |",
-             "|---|---|---|---|---|---|---|---|"]
+    """One row per run: tokens/s/GPU beside each GPU's median SM clock, power and temperature, the share of samples
+    at the power cap or held by heat (GPUs in index order, " / " between them), and tokens per joule per GPU."""
+    lines = ["| variant | run | tokens/s/GPU | SM MHz | W | °C | at the power cap | held by heat | tokens/J per GPU |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = results[v.name]
         if "failed" in r:
             continue
         for i, (tps, gpus) in enumerate(zip(r.get("tps_runs", [r["tps"]]), r.get("gpus_runs", [r.get("gpus")])), 1):
             if not gpus:
-                lines.append(f"| {v.name} | {i} | {tps:,.0f} | no samples | | | | |")
+                lines.append(f"| {v.name} | {i} | {tps:,.0f} | no samples | | | | | |")
                 continue
             cells = [" / ".join(fmt.format(g[key]) for g in gpus.values())
                      for key, fmt in (("sm_mhz", "{:,.0f}"), ("watts", "{:.0f}"), ("celsius", "{:.0f}"),
                                       ("power_cap", "{:.0%}"), ("thermal", "{:.0%}"))]
-            lines.append(f"| {v.name} | {i} | {tps:,.0f} | " + " | ".join(cells) + " |")
+            lines.append(f"| {v.name} | {i} | {tps:,.0f} | " + " | ".join(cells) + f" | {tokens_per_joule(tps, gpus):,.1f} |")
     return "\n".join(lines)
 
 

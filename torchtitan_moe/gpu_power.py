@@ -4,13 +4,14 @@
         train(...)
     samples = read_samples(path)           # [Sample(time, gpu, watts, sm_mhz, celsius, reasons)]
     during(samples, start, end)            # those taken between two wall-clock times (time.time())
-    summarize(samples)                     # per GPU: median SM MHz, W and °C, share of samples at the power cap
+    summarize(samples)                     # per GPU: median SM MHz, W and °C, mean W, share of samples at the power cap
 
 On 2 H200s our training step runs at the GPUs' 700 W software power cap with the SM clock well below its
 maximum (worklogs/2026-11-27-session10-h200x2.md), and one setting's tokens/s moved by 6% between two rounds
 of one run while torchtitan's did not (worklogs/2026-11-27-session14-h200x2.md): these figures, beside each
 run's tokens/s (`bench_train --gpu-power`), tell a GPU running slower (at the cap, hotter: its leakage takes more
-of the same watts) from a host launching slower.
+of the same watts) from a host launching slower. At the cap a step's time is its energy over the cap's watts, so
+only less energy per token makes it faster: the mean power (energy over time) gives each run's tokens per joule.
 """
 
 from __future__ import annotations
@@ -98,13 +99,15 @@ def during(samples: list[Sample], start: float, end: float) -> list[Sample]:
 
 
 def summarize(samples: list[Sample]) -> dict[int, dict[str, float]]:
-    """GPU index -> median SM MHz, watts and temperature, and the share of samples held at the power cap or by heat."""
+    """GPU index -> median SM MHz, watts and temperature, mean watts (the energy over the samples' time, at a steady
+    sampling rate), and the share of samples held at the power cap or by heat."""
     by_gpu: dict[int, list[Sample]] = {}
     for s in samples:
         by_gpu.setdefault(s.gpu, []).append(s)
     return {gpu: {"sm_mhz": statistics.median(s.sm_mhz for s in mine),
                   "watts": statistics.median(s.watts for s in mine),
                   "celsius": statistics.median(s.celsius for s in mine),
+                  "mean_watts": statistics.fmean(s.watts for s in mine),
                   "power_cap": sum(bool(s.reasons & POWER_CAP) for s in mine) / len(mine),
                   "thermal": sum(bool(s.reasons & THERMAL) for s in mine) / len(mine),
                   "samples": len(mine)}

@@ -120,6 +120,30 @@ def test_bf16_moments_keep_updates_smaller_than_half_a_step_on_average(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_bf16_moments_round_each_element_and_each_moment_on_bits_of_their_own(backend):
+    # beta = 1/2, old moments 1 + 2^-7 (a bf16 number) and g = 1: both new moments are 1 + 2^-8, halfway
+    # between two bf16 numbers, so each rounds up with probability 1/2. The Triton kernel draws one Philox call
+    # per four elements: each element its own word, exp_avg its low 16 bits, exp_avg_sq its high 16. Elements
+    # that share a word or a call, or two moments that share bits, would round the same way every time.
+    n = 1 << 14
+    m, v = (torch.full((n,), 1 + 2**-7, device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
+    adamw_step_(torch.zeros(n, device=DEVICE), torch.ones(n, device=DEVICE), m, v, **{**HYPER, "beta1": 0.5,
+                "beta2": 0.5}, step=1, seed=11, backend=backend)
+    m_up, v_up = (t == 1 + 2**-7 for t in (m, v))
+    assert set(m.unique().tolist()) == set(v.unique().tolist()) == {1.0, 1 + 2**-7}
+
+    def agree(a, b):  # the share of pairs rounded the same way: 1/2 for independent coins
+        return (a == b).double().mean().item()
+
+    # n coin flips: a share's standard deviation is 1/256 here, the bounds are 8 of them
+    assert abs(m_up.double().mean().item() - 0.5) < 1 / 32 and abs(v_up.double().mean().item() - 0.5) < 1 / 32
+    assert abs(agree(m_up, v_up) - 0.5) < 1 / 32, "exp_avg and exp_avg_sq round on the same bits"
+    for lag in (1, 2, 3, 4):  # within a Philox call's four elements, and into the next call's
+        assert abs(agree(m_up[:-lag], m_up[lag:]) - 0.5) < 1 / 32, f"elements {lag} apart round together"
+        assert abs(agree(v_up[:-lag], v_up[lag:]) - 0.5) < 1 / 32, f"elements {lag} apart round together"
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("working", [False, True])
 def test_a_group_in_one_call_is_each_parameter_updated_alone(moments, working, backend):

@@ -4,7 +4,7 @@ Elementwise over each flat parameter: each program owns BLOCK contiguous element
 found through two tables (the program's parameter and its block within it; the parameter's row of
 addresses, size and seed), loads param, grad and the two moments once (and the clip's grad_scale,
 a scalar), computes in fp32 and stores param and the moments once (bf16 moments rounded
-stochastically from Philox random bits of (seed, element index)), and the param's bf16 working
+stochastically from Philox random bits of (seed, element index // 4)), and the param's bf16 working
 copy where there is one (rounded to nearest even, as a cast). Bandwidth-bound: 20 bytes per element
 with bf16 moments and fp32 param and grad, 28 with fp32 moments, 2 more with a working copy.
 
@@ -60,18 +60,23 @@ def _adamw_kernel(
     if WORKING is not None:  # the GEMMs' copy, written here rather than cast again before the next forward
         working_ptr = tl.load(row + 4).to(tl.pointer_type(WORKING))
         tl.store(working_ptr + offs, round_to(p, WORKING), mask=mask)
-    tl.store(exp_avg_ptr + offs, _round(m, MOMENT, seed, offs, 0), mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, _round(v, MOMENT, seed, offs, 1), mask=mask)
+    if MOMENT == tl.bfloat16:  # rounded stochastically: exp_avg by a word's low 16 bits, exp_avg_sq by its high 16
+        bits = _random_words(seed, tl.load(block_index_ptr + pid).to(tl.int64) * (BLOCK // 4), BLOCK)
+        tl.store(exp_avg_ptr + offs, round_stochastic_bf16(m, bits), mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, round_stochastic_bf16(v, bits >> 16), mask=mask)
+    else:
+        tl.store(exp_avg_ptr + offs, round_to(m, MOMENT), mask=mask)
+        tl.store(exp_avg_sq_ptr + offs, round_to(v, MOMENT), mask=mask)
 
 
 @triton.jit
-def _round(x, dtype: tl.constexpr, seed, offs, stream: tl.constexpr):
-    """bf16 moments round stochastically (the stream picks one of two independent random words of
-    this element), fp32 ones are stored as computed."""
-    if dtype == tl.bfloat16:
-        r0, r1, _, _ = tl.randint4x(seed, offs)
-        return round_stochastic_bf16(x, r0 if stream == 0 else r1)
-    return round_to(x, dtype)
+def _random_words(seed, first_group, BLOCK: tl.constexpr):
+    """[BLOCK] uint32 words for BLOCK consecutive elements, from one Philox call (its four words) per four
+    elements: group q = element // 4 draws randint4x(seed, q). A call per element (10 rounds of 32-bit
+    multiplies) made the update ALU-bound at the clocks of a GPU at its power cap: 19.5 ms a step instead
+    of ~14 at 20 bytes an element (worklogs/2026-11-28-session18-h200x2.md)."""
+    r0, r1, r2, r3 = tl.randint4x(seed, first_group + tl.arange(0, BLOCK // 4))
+    return tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,))
 
 
 def adamw_foreach_triton(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds,

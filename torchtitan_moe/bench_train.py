@@ -187,7 +187,8 @@ def gpu_table(variants: list[Variant], results: dict[str, dict]) -> str:
             cells = [" / ".join(fmt.format(g[key]) for g in gpus.values())
                      for key, fmt in (("sm_mhz", "{:,.0f}"), ("watts", "{:.0f}"), ("celsius", "{:.0f}"),
                                       ("power_cap", "{:.0%}"), ("thermal", "{:.0%}"))]
-            lines.append(f"| {v.name} | {i} | {tps:,.0f} | " + " | ".join(cells) + f" | {tokens_per_joule(tps, gpus):,.1f} |")
+            cells.append(f"{tokens_per_joule(tps, gpus):,.1f}")
+            lines.append(f"| {v.name} | {i} | {tps:,.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -42,7 +42,7 @@ def _adamw_kernel(
     exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(MOMENT))
     n = tl.load(row + 5)
     seed = tl.load(row + 6)
-    # The element's index within its parameter: the random stream of a bf16 moment's rounding.
+    # The element's index within its parameter (each four draw the random bits of their bf16 moments' rounding).
     offs = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(param_ptr + offs, mask=mask)
@@ -73,8 +73,9 @@ def _adamw_kernel(
 def _random_words(seed, first_group, BLOCK: tl.constexpr):
     """[BLOCK] uint32 words for BLOCK consecutive elements, from one Philox call (its four words) per four
     elements: group q = element // 4 draws randint4x(seed, q). A call per element (10 rounds of 32-bit
-    multiplies) made the update ALU-bound at the clocks of a GPU at its power cap: 19.5 ms a step instead
-    of ~14 at 20 bytes an element (worklogs/2026-11-28-session18-h200x2.md)."""
+    multiplies) made the update ALU-bound at the clocks of a GPU at its power cap: 19.5 ms a step at local
+    batch 4 on 2 H200s, now 17.0, 13.3 at 20 bytes an element and the copy rate
+    (worklogs/2026-11-28-session18-h200x2.md)."""
     r0, r1, r2, r3 = tl.randint4x(seed, first_group + tl.arange(0, BLOCK // 4))
     return tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,))
 

@@ -43,7 +43,8 @@ def _adamw_kernel(
     n = tl.load(row + 5)
     seed = tl.load(row + 6)
     # The element's index within its parameter (each four draw the random bits of their bf16 moments' rounding).
-    offs = tl.load(block_index_ptr + pid).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    block = tl.load(block_index_ptr + pid).to(tl.int64)
+    offs = block * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     p = tl.load(param_ptr + offs, mask=mask)
     g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32)
@@ -61,7 +62,7 @@ def _adamw_kernel(
         working_ptr = tl.load(row + 4).to(tl.pointer_type(WORKING))
         tl.store(working_ptr + offs, round_to(p, WORKING), mask=mask)
     if MOMENT == tl.bfloat16:  # rounded stochastically: exp_avg by a word's low 16 bits, exp_avg_sq by its high 16
-        bits = _random_words(seed, tl.load(block_index_ptr + pid).to(tl.int64) * (BLOCK // 4), BLOCK)
+        bits = _random_words(seed, block * (BLOCK // 4), BLOCK)
         tl.store(exp_avg_ptr + offs, round_stochastic_bf16(m, bits), mask=mask)
         tl.store(exp_avg_sq_ptr + offs, round_stochastic_bf16(v, bits >> 16), mask=mask)
     else:

@@ -19,7 +19,7 @@ For each EP degree (the first EP ranks of the launch form the group):
              copy) what the all-to-all path costs over the local one inside a layer, where the
              GEMMs give the host time to run ahead.
   --profile  also traces 3 runs of each layer path (torch.profiler, after one warm-up run) into
-             DIR/ep<EP>_<path>_rank<R>.json and prints rank 0's breakdown (torchtitan_moe.step_profile:
+             DIR/ep<EP>_<path>_rank<R>.json and prints rank 0's breakdown (torchtitan_moe.tools.step_profile:
              GPU busy and idle, launches, host syncs, the top kernels): where a path's time goes.
 Times are medians over --iters iterations after --warmup, the max over ranks (the slowest rank
 sets the step). The layer paths, host-bound, are timed in turn (tune_dispatch.timed_interleaved:
@@ -37,7 +37,9 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from torchtitan_moe import ops, step_profile
+from torchtitan_moe import ops
+
+from torchtitan_moe.tools import step_profile
 from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
@@ -52,8 +54,8 @@ from torchtitan_moe.dispatch.deepep_backend import (
 )
 from torchtitan_moe.moe import MoE, MoEArgs
 from torchtitan_moe.moe.router import count_tokens
-from torchtitan_moe.seam import Done, ExpertBatch, LocalDispatcher, Routing, slots_to_rows
-from torchtitan_moe.tune_dispatch import max_over_ranks, timed_interleaved, timed_ms
+from torchtitan_moe.dispatch.seam import Done, ExpertBatch, LocalDispatcher, Routing, slots_to_rows
+from torchtitan_moe.tools.tune_dispatch import max_over_ranks, timed_interleaved, timed_ms
 
 
 class PerExpertRowsDispatcher:

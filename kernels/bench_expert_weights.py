@@ -48,7 +48,7 @@ from _bench import measure_ceilings, median_us  # noqa: E402
 
 from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded  # noqa: E402
 from torchtitan_moe.moe.experts import GroupedExperts  # noqa: E402
-from torchtitan_moe.seam import ExpertBatch  # noqa: E402
+from torchtitan_moe.dispatch.seam import ExpertBatch  # noqa: E402
 
 VARIANTS = ("fsdp reshard", "fsdp keep", "outside cast", "outside written", "floor")
 

@@ -34,7 +34,7 @@ from _bench import measure_ceilings, median_us  # noqa: E402
 
 from torchtitan_moe.moe import MoE, MoEArgs  # noqa: E402
 from torchtitan_moe.moe.router import balanced_experts  # noqa: E402
-from torchtitan_moe.torchtitan_compat import TorchtitanMoE, TorchtitanMoEArgs  # noqa: E402
+from torchtitan_moe.compat.torchtitan import TorchtitanMoE, TorchtitanMoEArgs  # noqa: E402
 
 @dataclass(frozen=True)
 class Shape:

@@ -14,6 +14,6 @@ only=()
 IFS=';' read -ra names <<< "${ONLY:-}"
 for n in "${names[@]}"; do only+=(--only "$n"); done
 mkdir -p "$out"
-${PYTHON:-python3} -m torchtitan_moe.parity "$config" --against torchtitan --steps "$steps" --nproc 1 "${only[@]}" \
+${PYTHON:-python3} -m torchtitan_moe.tools.parity "$config" --against torchtitan --steps "$steps" --nproc 1 "${only[@]}" \
     ${DETERMINISTIC:+--deterministic} \
     --out "$out" -- --parallelism.expert_parallel_degree 1 --dispatch.backend auto "$@"

@@ -7,8 +7,8 @@ import argparse
 import os
 import tempfile
 
-from torchtitan_moe.data.text import list_files, read_documents
-from torchtitan_moe.data.tokenizer import train_bpe
+from torchtitan_moe.components.data.text import list_files, read_documents
+from torchtitan_moe.components.data.tokenizer import train_bpe
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ if has tune; then
     : > "$out/tune.md"
     for b in $batches; do
         echo "== tune, local batch $b"
-        torchrun2 -m torchtitan_moe.tune_dispatch "$config" --training.local_batch_size "$b" --out "$tuned" \
+        torchrun2 -m torchtitan_moe.tools.tune_dispatch "$config" --training.local_batch_size "$b" --out "$tuned" \
             --json "$work/logs/tune_b$b.json" > "$work/logs/tune_b$b.log" 2>&1
         echo "exit status: $?" >> "$work/logs/tune_b$b.log"
         grep -E '^\||^dispatch tuning|^\(a\)|^faster|^tune_dispatch|exit status' "$work/logs/tune_b$b.log" > "$work/tune_b$b.md"
@@ -105,7 +105,7 @@ fi
 
 if has parity; then
     echo "== parity"
-    "$py" -m torchtitan_moe.parity "$config" --vary dispatch.backend=all_to_all,deepep \
+    "$py" -m torchtitan_moe.tools.parity "$config" --vary dispatch.backend=all_to_all,deepep \
         --vary checks.monitor_freq=10,7 --steps 200 --nproc 2 --seed init \
         --loss-rtol 0.01 --grad-rtol 0.05 --out "$work/parity" -- --parallelism.expert_parallel_degree 2 \
         --training.seq_len 1024 $(tuned_flag) --metrics.log_freq 1 > "$work/logs/parity.log" 2>&1

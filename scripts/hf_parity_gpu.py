@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchtitan_moe import convert  # noqa: E402
+from torchtitan_moe.hf import convert  # noqa: E402
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, Qwen3MoEStateDictAdapter, flavor_args  # noqa: E402
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import hf_config  # noqa: E402
 

@@ -23,8 +23,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from spawn_ranks import torchrun_plan  # noqa: E402
 
-from torchtitan_moe import parity_report  # noqa: E402
-from torchtitan_moe.parity import split_overrides  # noqa: E402
+from torchtitan_moe.tools import parity_report  # noqa: E402
+from torchtitan_moe.tools.parity import split_overrides  # noqa: E402
 
 COMMON = ["--router.balance_loss", "global_batch", "--router.balance_loss_coeff", "0.01", "--checks.init_fingerprint"]
 

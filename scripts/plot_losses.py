@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from torchtitan_moe.bench_train import LOSS_WINDOW, loss_gap, loss_steps, plot
+from torchtitan_moe.tools.bench_train import LOSS_WINDOW, loss_gap, loss_steps, plot
 
 
 def curves(specs: list[str]) -> dict[str, dict]:

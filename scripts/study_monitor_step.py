@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from torchtitan_moe import ops
-from torchtitan_moe.checks.monitors import local_grad_norm
+from torchtitan_moe.components.checks.monitors import local_grad_norm
 from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
 from torchtitan_moe.moe.experts import GroupedExperts, stale_working_copies
 

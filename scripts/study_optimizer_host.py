@@ -15,7 +15,7 @@ import time
 import torch
 
 import torchtitan_moe
-from torchtitan_moe.optimizer import AdamW
+from torchtitan_moe.components.optimizer import AdamW
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--label", default=torchtitan_moe.__file__)

@@ -16,7 +16,7 @@ ngpu=$("$py" -c "import torch; print(torch.cuda.device_count())")
 eps=1
 for ep in 2 4 8; do [ "$ep" -le "$ngpu" ] && eps="$eps,$ep"; done
 mkdir -p "$out" "$work"
-"$py" -m torchtitan_moe.parity "$config" --vary "parallelism.expert_parallel_degree=$eps" \
+"$py" -m torchtitan_moe.tools.parity "$config" --vary "parallelism.expert_parallel_degree=$eps" \
     --vary compile.enable=false,true --steps "${STEPS:-50}" --nproc "$ngpu" --loss-rtol 0.01 --grad-rtol 0.05 \
     --out "$work" -- --metrics.log_freq 1 ${EXTRA:-} > "$work/parity.log" 2>&1
 status=$?

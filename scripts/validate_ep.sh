@@ -51,7 +51,7 @@ cat "$out/training.md"
 fi
 
 if [[ $stages == *parity* ]]; then
-"$py" -m torchtitan_moe.parity configs/qwen3_30b_a3b_8l.toml --vary parallelism.expert_parallel_degree=1,$ngpu \
+"$py" -m torchtitan_moe.tools.parity configs/qwen3_30b_a3b_8l.toml --vary parallelism.expert_parallel_degree=1,$ngpu \
     --steps 200 --nproc "$ngpu" --loss-rtol 0.01 --grad-rtol 0.05 --out "$work/parity" \
     -- --training.seq_len 1024 --metrics.log_freq 1 > "$work/parity.log" 2>&1
 echo "parity exit status: $?" >> "$work/parity.log"

@@ -49,7 +49,7 @@ def pytest_runtest_logreport(report):
 def debug_seed(tmp_path_factory) -> Path:
     """The debug config's seed checkpoint as parity writes it (a folder seed-<key> holding
     checkpoint/step-0 and model_args.json), written once per session by one process."""
-    from torchtitan_moe import parity
+    from torchtitan_moe.tools import parity
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
     return parity.seed_checkpoint(config, tmp_path_factory.mktemp("seed"), ["--dispatch.backend", "auto"]).parents[1]

@@ -24,12 +24,12 @@ PLAN.json is a list of operations that every rank runs in order:
     {"stale": [...], "out": path}              a run whose layer 0 w2 working copy is changed after step 2's
                                                update, which must stop; rank 0 writes the error
     {"train": [...], "step": "torchtitan"}       with torchtitan's Trainer.train_step (host syncs at its start)
-                                               instead of ours (train_step.py)
+                                               instead of ours (train/step.py)
     {"host_syncs": [override, ...], "out": path}  a 4-step run; rank 0 writes the host syncs of each training
                                                step that reads no log back (steps 3 and 4) as a JSON list
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
 Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared
-(torchtitan_moe/train_runs.py, which `python -m torchtitan_moe.parity --one-launch` uses too).
+(torchtitan_moe/tools/train_runs.py, which `python -m torchtitan_moe.tools.parity --one-launch` uses too).
 Tests launch a plan with `spawn_ranks.torchrun_plan`.
 """
 
@@ -43,10 +43,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from torchtitan_moe import convert, train_runs
-from torchtitan_moe.checkpoint import CheckpointError
-from torchtitan_moe.torchtitan_compat import DataloaderExhaustedError, Trainer, replace_clip_grad_norm
-from torchtitan_moe.train_runs import shared_group
+from torchtitan_moe.hf import convert
+
+from torchtitan_moe.tools import train_runs
+from torchtitan_moe.train.checkpoint import CheckpointError
+from torchtitan_moe.compat.torchtitan import DataloaderExhaustedError, Trainer, replace_clip_grad_norm
+from torchtitan_moe.tools.train_runs import shared_group
 
 DEBUG = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
 
@@ -89,7 +91,7 @@ def torchtitans_clip(trainer) -> None:
 
 
 def torchtitans_step(trainer) -> None:
-    """adapt(trainer) for `train`: torchtitan's own train step (with its host syncs), as before train_step.py."""
+    """adapt(trainer) for `train`: torchtitan's own train step (with its host syncs), as before train/step.py."""
 
     def step(data_iterator):
         trainer._local_losses = []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_moe import parity
+from torchtitan_moe.tools import parity
 from torchtitan_moe.models.baseline import BaselineModel, init_fingerprint, torchtitan_args
 from torchtitan_moe.models.qwen3_moe import flavor_args
 from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel

@@ -12,7 +12,7 @@ from spawn_ranks import rank_group, run_ranks
 from test_all_to_all import DIM, EXPERTS, assert_matches_local, forward_backward, make_layer
 from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher, build_transport
 from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport, sum_in_rank_order
-from torchtitan_moe.parity import main as parity
+from torchtitan_moe.tools.parity import main as parity
 
 ROOT = Path(__file__).resolve().parents[1]
 

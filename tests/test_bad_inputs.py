@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_moe import check_config, plan
+from torchtitan_moe.tools import check_config, plan
 
 from test_config import debug_with
 
@@ -169,7 +169,7 @@ OTHERS = [
     (["--job.custom_config_module", "my.module"], "[job] custom_config_module = 'my.module'"),
 ]
 
-# python -m torchtitan_moe.plan's flags (after the config file).
+# python -m torchtitan_moe.tools.plan's flags (after the config file).
 PLAN = [
     ([], "--nodes is missing: a number of nodes >= 1"),
     (["--nodes", "0", "--gpus-per-node", "8"], "--nodes '0': must be a number of nodes >= 1"),

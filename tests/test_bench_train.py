@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_moe.bench_train import Variant, loss_agreement, main, summarize, table
+from torchtitan_moe.tools.bench_train import Variant, loss_agreement, main, summarize, table
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -87,7 +87,7 @@ def test_plot_losses_labels_every_curve_and_gives_its_gap_to_the_first(tmp_path)
 
 
 def test_vary_trains_each_combination_of_ours_and_compares_it_with_the_first():
-    from torchtitan_moe.bench_train import check_combinations, vary_combinations, vary_gain
+    from torchtitan_moe.tools.bench_train import check_combinations, vary_combinations, vary_gain
 
     combos = vary_combinations(["dispatch.overlap=none,chunks", "optimizer.moments_dtype=bfloat16"])
     assert combos == [(("dispatch.overlap", "none"), ("optimizer.moments_dtype", "bfloat16")),
@@ -117,7 +117,7 @@ def test_vary_trains_each_combination_of_ours_and_compares_it_with_the_first():
 
 
 def test_log_freq_is_passed_to_every_run_and_the_medians_take_the_logged_steps(tmp_path, monkeypatch):
-    from torchtitan_moe import bench_train
+    from torchtitan_moe.tools import bench_train
 
     seen = []
 
@@ -150,7 +150,7 @@ def test_log_freq_is_passed_to_every_run_and_the_medians_take_the_logged_steps(t
 
 
 def test_repeat_trains_rounds_of_every_variant_and_reports_medians_ranges_and_round_ratios(tmp_path, monkeypatch):
-    from torchtitan_moe import bench_train
+    from torchtitan_moe.tools import bench_train
 
     order = []
     # Round r's machine speed is 1000 * (1, 0.9, 1.1)[r]; bf16 moments are 10% faster in every round.
@@ -186,7 +186,7 @@ def test_repeat_trains_rounds_of_every_variant_and_reports_medians_ranges_and_ro
 
 def test_resume_trains_only_the_runs_a_time_limit_cut_off_and_reports_every_round(tmp_path, monkeypatch):
     # A device call's time limit kills the bench in round 2's second run, after it wrote some of its steps.
-    from torchtitan_moe import bench_train
+    from torchtitan_moe.tools import bench_train
 
     trained = []
 
@@ -230,7 +230,7 @@ def test_resume_trains_only_the_runs_a_time_limit_cut_off_and_reports_every_roun
 
 def test_report_writes_the_tables_of_the_runs_in_out_without_training(tmp_path, monkeypatch):
     # A bench stopped after its last run's timed steps (a call's time limit) left its runs and no tables.
-    from torchtitan_moe import bench_train
+    from torchtitan_moe.tools import bench_train
 
     def fake_training(config, dump, overrides, nproc, log):
         dump.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from test_hf import build_ours, randomize_
 
-from torchtitan_moe import convert
-from torchtitan_moe.bias_cost import measure_bias_cost
-from torchtitan_moe.checkpoint import write_model_args
+from torchtitan_moe.hf import convert
+from torchtitan_moe.hf.bias_cost import measure_bias_cost
+from torchtitan_moe.train.checkpoint import write_model_args
 from torchtitan_moe.models.qwen3_moe import flavor_args
 
 BIAS_STD = (0.1, 0.3, 0.05, 0.0)  # per layer; layer 3's bias is zero and changes nothing
@@ -115,13 +115,13 @@ def test_the_synthetic_stream_of_the_run_is_held_out(tmp_path, capsys):
     assert "1,024 tokens" in capsys.readouterr().out.splitlines()[0]  # one batch of the run's 8 x 128
     # The model is what the step folder recorded (model_args.json); --config only names the held-out data.
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] == args.moe.route_norm
-    from torchtitan_moe.bias_cost import HELD_OUT_RANK, synthetic_held_out
-    from torchtitan_moe.config_loader import load_job_config
+    from torchtitan_moe.hf.bias_cost import HELD_OUT_RANK, synthetic_held_out
+    from torchtitan_moe.train.job_config import load_job_config
 
     job = load_job_config(["--job.config_file", "configs/debug.toml"])
     ((inputs, labels),) = synthetic_held_out(job, 2048, 1)
     assert inputs.shape == (8, 128) and torch.equal(inputs[:, 1:], labels[:, :-1])
-    from torchtitan_moe.data.synthetic import SyntheticMarkovDataset
+    from torchtitan_moe.components.data.synthetic import SyntheticMarkovDataset
 
     trained = next(iter(SyntheticMarkovDataset(2048, 128, 0, seed=job.data.synthetic_seed)))[0]["input"]
     assert HELD_OUT_RANK < 0 and not torch.equal(trained, inputs[0])  # not rank 0's first sample

@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_moe.checkpoint import (
+from torchtitan_moe.train.checkpoint import (
     CheckpointError,
     check_checkpoint_to_load,
     expected_shapes,
     read_model_args,
     write_model_args,
 )
-from torchtitan_moe.config import ConfigError
-from torchtitan_moe.config_loader import load_job_config
+from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.train.job_config import load_job_config
 from torchtitan_moe.models.qwen3_moe import flavor_args
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import hf_config
 
@@ -195,7 +195,7 @@ def test_checkpoint_config_defaults_and_refusals(tmp_path):
 
 
 def test_progress_bar_without_tqdm(monkeypatch, capsys):
-    from torchtitan_moe import convert
+    from torchtitan_moe.hf import convert
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm -> ImportError
     assert list(convert.progress(range(3), "layers")) == [0, 1, 2]

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from spawn_ranks import torchrun_env, torchrun_plan
 
-from torchtitan_moe.checks import router_init as ri
-from torchtitan_moe.checks import monitors as mon
+from torchtitan_moe.components.checks import router_init as ri
+from torchtitan_moe.components.checks import monitors as mon
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
 from torchtitan_moe.moe.balance import moe_layers, update_expert_bias
 from torchtitan_moe.moe.router import Router
@@ -279,7 +279,7 @@ def trainer_stub(mode, init_std):
 
 
 def test_router_init_modes_error_warn_off(caplog):
-    from torchtitan_moe.train import MoETrainer, RouterInitError
+    from torchtitan_moe.train.trainer import MoETrainer, RouterInitError
 
     caplog.set_level(logging.INFO)
     with pytest.raises(RouterInitError, match=r'^router-init checks failed: \d+ findings \(see above\); '
@@ -420,7 +420,7 @@ def test_local_grad_norm_reads_bf16_gradients_without_an_fp32_copy():
 
 
 def test_wandb_goes_offline_without_a_key(monkeypatch, tmp_path):
-    from torchtitan_moe.train import wandb_offline_without_key
+    from torchtitan_moe.train.trainer import wandb_offline_without_key
 
     config = SimpleNamespace(metrics=SimpleNamespace(enable_wandb=True))
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc

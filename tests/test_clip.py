@@ -6,9 +6,9 @@ tests/test_train_cpu.py trains both ways.)"""
 import pytest
 import torch
 
-from torchtitan_moe.optimizer import AdamW, clip_in_optimizer
-from torchtitan_moe.torchtitan_compat import _TORCHTITAN_CLIP_GRAD_NORM as torchtitan_clip
-from torchtitan_moe.torchtitan_compat import OptimizersContainer
+from torchtitan_moe.components.optimizer import AdamW, clip_in_optimizer
+from torchtitan_moe.compat.torchtitan import _TORCHTITAN_CLIP_GRAD_NORM as torchtitan_clip
+from torchtitan_moe.compat.torchtitan import OptimizersContainer
 
 MAX_NORM = 0.5
 

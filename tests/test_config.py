@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_moe.check_config import check
-from torchtitan_moe.config import ConfigError
-from torchtitan_moe.config_loader import load_job_config, read_toml
+from torchtitan_moe.tools.check_config import check
+from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.train.job_config import load_job_config, read_toml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ROOT / "configs" / "debug.toml"
@@ -143,7 +143,7 @@ def test_ep_must_divide_the_process_count(monkeypatch, tmp_path):
 
 def test_check_config_cli_prints_one_line_and_exits_2(tmp_path):
     path = debug_with(tmp_path, moe__top_k=99)
-    result = subprocess.run([sys.executable, "-m", "torchtitan_moe.check_config", path], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "torchtitan_moe.tools.check_config", path], capture_output=True, text=True)
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() if line.startswith("config error:")]
     assert errors == [f"config error: [moe] top_k = 99: must be in 1..num_experts (8)"]
@@ -151,6 +151,6 @@ def test_check_config_cli_prints_one_line_and_exits_2(tmp_path):
 
 
 def test_check_config_cli_accepts_the_debug_config():
-    result = subprocess.run([sys.executable, "-m", "torchtitan_moe.check_config", str(DEBUG)], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "torchtitan_moe.tools.check_config", str(DEBUG)], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ok: qwen3_moe debug")

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from torchtitan_moe.data.synthetic import SyntheticMarkovDataset, chain_entropy, markov_chain
-from torchtitan_moe.data.text import LocalTextDataset
-from torchtitan_moe.data.tokenizer import ByteTokenizer
+from torchtitan_moe.components.data.synthetic import SyntheticMarkovDataset, chain_entropy, markov_chain
+from torchtitan_moe.components.data.text import LocalTextDataset
+from torchtitan_moe.components.data.tokenizer import ByteTokenizer
 
 
 def take(dataset, n):
@@ -83,7 +83,7 @@ def test_byte_tokenizer_round_trip():
 
 
 def test_file_tokenizer_built_from_local_text(tmp_path):
-    from torchtitan_moe.data.tokenizer import train_bpe
+    from torchtitan_moe.components.data.tokenizer import train_bpe
 
     write_corpus(tmp_path)
     tok = train_bpe([str(tmp_path / "a.txt")], vocab_size=300, out_path=str(tmp_path / "tokenizer.json"))
@@ -99,7 +99,7 @@ def test_dataloader_with_workers_gives_and_resumes_the_batches_made_in_process(t
     # loader's state taken mid-stream (the worker two batches ahead) resumes at the next batch it hands out.
     from types import SimpleNamespace
 
-    from torchtitan_moe.data import build_dataloader
+    from torchtitan_moe.components.data import build_dataloader
 
     path = write_corpus(tmp_path) if dataset == "text" else None
     rank, world = dp

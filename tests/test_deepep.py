@@ -248,7 +248,7 @@ def torchrun(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedP
 @cpu_only
 def test_training_with_deepep_matches_all_to_all_under_checkpointing(parity_out, monkeypatch):
     # bf16 FSDP2 mixed precision, EP = 2, full activation checkpointing: the same losses to the bit.
-    from torchtitan_moe.parity import main as parity
+    from torchtitan_moe.tools.parity import main as parity
 
     with_fake_on_path(monkeypatch)
     code = parity([str(ROOT / "configs" / "debug.toml"), "--vary", "dispatch.backend=all_to_all,deepep",
@@ -282,7 +282,7 @@ def test_tune_dispatch_writes_an_entry_that_auto_reads_and_the_bench_runs(tmp_pa
 
     env = with_fake_on_path(monkeypatch)
     out = tmp_path / "dispatch.json"
-    result = torchrun("-m", "torchtitan_moe.tune_dispatch", str(ROOT / "configs" / "debug.toml"), "--out", str(out),
+    result = torchrun("-m", "torchtitan_moe.tools.tune_dispatch", str(ROOT / "configs" / "debug.toml"), "--out", str(out),
                       "--num-sms", "2,4", "--dispatch-chunks", "4", "--combine-chunks", "2", "--warmup", "1",
                       "--iters", "2", "--training.local_batch_size", "2", env=env)
     assert result.returncode == 0, result.stderr[-3000:]

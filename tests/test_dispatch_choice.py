@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchtitan_moe.config import ConfigError
-from torchtitan_moe.config_loader import load_job_config
+from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.train.job_config import load_job_config
 from torchtitan_moe.parallel import choose, tuned
 from torchtitan_moe.parallel.choose import choose_dispatcher
 from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings, DeepEPUnavailable, import_deep_ep
@@ -193,7 +193,7 @@ def test_auto_picks_from_the_tuned_table_and_says_why(tmp_path, fake_deep_ep):
     h100 = tuned.Shape("NVIDIA H100 80GB HBM3", *list(dataclasses.astuple(SHAPE))[1:])  # not in the shipped table
     choice = choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry(tokens=65536))), h100, None, 132)
     assert choice.backend == "all_to_all" and "no tuned entry for NVIDIA H100 80GB HBM3, EP 2" in choice.reason
-    assert "or the shipped table" in choice.reason and "python -m torchtitan_moe.tune_dispatch" in choice.reason
+    assert "or the shipped table" in choice.reason and "python -m torchtitan_moe.tools.tune_dispatch" in choice.reason
 
     choice = choose_dispatcher(cfg("auto"), tuned.Shape("cpu", 1, 128, 2, 8, 1024), None, None)
     assert (choice.backend, choice.reason) == ("local", "local (EP = 1)")

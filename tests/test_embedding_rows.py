@@ -96,7 +96,7 @@ class FakeMesh:
     ("rows", FakeMesh(2), True, "the output layer shares its weight"),
 ])
 def test_auto_shards_the_embedding_by_rows_where_it_can_and_rows_refuses_elsewhere(setting, mesh, tied, expected):
-    from torchtitan_moe.config import ConfigError
+    from torchtitan_moe.config.sections import ConfigError
     from torchtitan_moe.models.qwen3_moe.parallelize import embedding_by_rows
 
     model = nn.Module()

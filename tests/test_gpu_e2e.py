@@ -37,9 +37,9 @@ from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
 
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 
-from torchtitan_moe.data.synthetic import chain_entropy
-from torchtitan_moe.parity import main as parity
-from torchtitan_moe.train_step import mark, seconds_between
+from torchtitan_moe.components.data.synthetic import chain_entropy
+from torchtitan_moe.tools.parity import main as parity
+from torchtitan_moe.train.step import mark, seconds_between
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = str(ROOT / "configs" / "debug.toml")

@@ -1,4 +1,4 @@
-"""torchtitan_moe/gpu_power.py and `bench_train --gpu-power`: nvidia-smi's samples read, windowed to each run's
+"""torchtitan_moe/tools/gpu_power.py and `bench_train --gpu-power`: nvidia-smi's samples read, windowed to each run's
 timed steps and summarized per GPU (a stand-in nvidia-smi, tests/fakes/nvidia_smi, on PATH)."""
 
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_moe import bench_train, gpu_power
+from torchtitan_moe.tools import bench_train, gpu_power
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fakes" / "nvidia_smi"

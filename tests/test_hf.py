@@ -1,7 +1,7 @@
 """Our qwen3_moe is Hugging Face Qwen3-MoE: the same logits as transformers, both ways (fp32, CPU).
 
 A random `Qwen3MoeForCausalLM` saved by transformers is converted to our model; one of our
-models exported by `python -m torchtitan_moe.convert to-hf` loads with `from_pretrained`. The
+models exported by `python -m torchtitan_moe.hf.convert to-hf` loads with `from_pretrained`. The
 settings differ from every default on purpose (rope theta, norm eps, head_dim != dim / heads,
 GQA, norm_topk_prob both ways, random norm weights), so a dropped or swapped detail shows.
 """
@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from torchtitan_moe import convert
-from torchtitan_moe.checkpoint import write_model_args
+from torchtitan_moe.hf import convert
+from torchtitan_moe.train.checkpoint import write_model_args
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, Qwen3MoEStateDictAdapter, flavor_args
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import HFConversionError, hf_config
 

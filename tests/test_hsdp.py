@@ -23,7 +23,7 @@ import pytest
 import torch
 from spawn_ranks import torchrun_plan
 
-from torchtitan_moe import parity_report
+from torchtitan_moe.tools import parity_report
 
 pytestmark = [
     pytest.mark.slow,

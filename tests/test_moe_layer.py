@@ -180,7 +180,7 @@ def test_router_loss_gradient_reaches_the_gate_and_counts_once(router):
 
 
 def test_moe_and_dispatch_meet_only_in_the_seam():
-    """moe/ and dispatch/ import torchtitan_moe.seam, never each other (lazily neither)."""
+    """moe/ and dispatch/ import torchtitan_moe.dispatch.seam, never each other (lazily neither)."""
     import ast
     import pathlib
 
@@ -192,5 +192,5 @@ def test_moe_and_dispatch_meet_only_in_the_seam():
                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
                 for name in names:
                     assert not name.startswith(f"torchtitan_moe.{other}"), f"{path.name} imports {name}"
-    seam = (root / "seam.py").read_text()
+    seam = (root / "dispatch/seam.py").read_text()
     assert "torchtitan_moe.moe" not in seam and "torchtitan_moe.dispatch" not in seam

@@ -13,8 +13,8 @@ import torch
 
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, build_loss, flavor_args
 from torchtitan_moe.ops.cross_entropy import IGNORE_INDEX
-from torchtitan_moe.torchtitan_compat import build_cross_entropy_loss
-from torchtitan_moe.train import MoETrainer
+from torchtitan_moe.compat.torchtitan import build_cross_entropy_loss
+from torchtitan_moe.train.trainer import MoETrainer
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

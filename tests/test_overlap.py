@@ -290,7 +290,7 @@ def test_training_with_chunks_matches_one_chunk(parity_out):
     # The trainer: FSDP2, EP = 2, full activation checkpointing (the recompute replays both chunks'
     # exchanges), exact and worst-case buffers, fp32, one launch. Losses and grad norms within the
     # harness's 1e-5 (fp32 summation order: the experts' weight gradients are two partial sums).
-    from torchtitan_moe.parity import main
+    from torchtitan_moe.tools.parity import main
 
     code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "dispatch.buffers=exact,worst_case",
                  "--vary", "dispatch.overlap=none,chunks", "--steps", "6", "--nproc", "2", "--out", str(parity_out),
@@ -309,7 +309,7 @@ def test_training_with_deepep_chunks_matches_one_chunk(parity_out, monkeypatch):
     # unchunked): grad norms 2.2e-5 apart after 4 steps, losses 2.5e-6 (measured); within 1e-4.
     from test_deepep import with_fake_on_path
 
-    from torchtitan_moe.parity import main
+    from torchtitan_moe.tools.parity import main
 
     with_fake_on_path(monkeypatch)
     code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "dispatch.overlap=none,chunks", "--steps", "4",

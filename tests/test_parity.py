@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_moe import parity
-from torchtitan_moe.parity import main, settings_from
-from torchtitan_moe.parity_report import compare, drift
+from torchtitan_moe.tools import parity
+from torchtitan_moe.tools.parity import main, settings_from
+from torchtitan_moe.tools.parity_report import compare, drift
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_one_launch_trains_every_run_in_one_torchrun_and_names_the_failed_one(tm
             "--out", str(tmp_path), "--no-plot", "--deterministic", "--one-launch"]
     assert main(argv) == 0
     seed, launch = commands
-    assert "torchtitan_moe.train" in seed and launch[-3:-1] == ["-m", "torchtitan_moe.train_runs"]
+    assert "torchtitan_moe.train" in seed and launch[-3:-1] == ["-m", "torchtitan_moe.tools.train_runs"]
     assert "--nproc_per_node=2" in launch
     plan = json.loads(Path(launch[-1]).read_text())
     assert [Path(run["log"]).name for run in plan] == ["ep1.log", "ep2.log", "repeat.log"]  # the repeat too

@@ -1,4 +1,4 @@
-"""The parallelism planner (torchtitan_moe.plan): its memory prediction against the peaks bench_train
+"""The parallelism planner (torchtitan_moe.tools.plan): its memory prediction against the peaks bench_train
 measured, its exchange bytes against bench_dispatch's rows, its parameter counts against the model's,
 and its recommendation. Arithmetic only (seconds); the refusals of bad flags are rows of
 test_bad_inputs.py's PLAN table."""
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtitan_moe import plan
+from torchtitan_moe.tools import plan
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
-from torchtitan_moe.plan import GIB, GPUS, Layout, Run, Shape
+from torchtitan_moe.tools.plan import GIB, GPUS, Layout, Run, Shape
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE_8L = Shape.of(flavor_args("30b-a3b-8l"))

@@ -12,7 +12,8 @@ from torch.distributed.tensor import DTensor, Shard, init_device_mesh
 from spawn_ranks import rank_group, run_ranks
 from test_embedding_rows import FakeMesh
 from torchtitan_moe.moe.router import Router
-from torchtitan_moe.parallel.router_gate import gate_rows_problem, gathered_gate, shard_gate_rows
+from torchtitan_moe.compat.collectives import gathered_rows
+from torchtitan_moe.parallel.router_gate import gate_rows_problem, shard_gate_rows
 
 D, E, K = 16, 8, 2
 
@@ -31,7 +32,7 @@ def gather_worker(rank: int, world: int, port: int, failures) -> None:
         assert isinstance(weight, DTensor) and weight.placements == (Shard(0),)
         assert weight.to_local().shape == (E // world, D) and torch.equal(weight.full_tensor(), full)
 
-        gathered = gathered_gate(weight)
+        gathered = gathered_rows(weight)
         assert not isinstance(gathered, DTensor) and torch.equal(gathered, full)
         gathered.backward(grads[rank])
         assert isinstance(weight.grad, DTensor) and weight.grad.placements == (Shard(0),)
@@ -93,7 +94,7 @@ def test_gate_rows_problem(mesh, problem):
     ("rows", FakeMesh(3), "do not split evenly"),
 ])
 def test_auto_shards_the_gates_by_rows_where_it_can_and_rows_refuses_elsewhere(setting, mesh, expected):
-    from torchtitan_moe.config import ConfigError
+    from torchtitan_moe.config.sections import ConfigError
     from torchtitan_moe.models.qwen3_moe.parallelize import router_by_rows
 
     block = nn.Module()

@@ -32,7 +32,7 @@ def init_worker(rank: int, world: int, port: int, overrides: list[str], out: str
     share of a fixed batch, and save the full parameters and gradients from rank 0."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    from torchtitan_moe.train import MoETrainer, prepare
+    from torchtitan_moe.train.trainer import MoETrainer, prepare
 
     trainer = None
     try:

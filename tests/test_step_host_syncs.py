@@ -3,7 +3,7 @@
 CPU/gloo (tests/host_reads.py: each read there is a host sync on a GPU), over the whole train_step
 (forward, backward, clipping, optimizer and expert-bias update) of steps that log nothing.
 Measured: none with worst-case buffers (torchtitan's own step read its global token count back,
-`dist_sum(...).item()`: train_step.py keeps it on the device); one per MoE layer with exact ones; with
+`dist_sum(...).item()`: train/step.py keeps it on the device); one per MoE layer with exact ones; with
 [dispatch] overlap = "chunks", one per chunk and layer. On a GPU the blocking copies of the batches count
 too (tests/host_reads.py): none either (tests/test_gpu_e2e.py)."""
 

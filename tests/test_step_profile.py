@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from torchtitan_moe import bench_train, step_profile
+from torchtitan_moe.tools import bench_train, step_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 

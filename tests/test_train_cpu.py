@@ -13,10 +13,10 @@ import pytest
 import torch
 from spawn_ranks import torchrun_plan
 
-from torchtitan_moe import convert
-from torchtitan_moe.bias_cost import synthetic_held_out
-from torchtitan_moe.config_loader import load_job_config
-from torchtitan_moe.data.synthetic import chain_entropy
+from torchtitan_moe.hf import convert
+from torchtitan_moe.hf.bias_cost import synthetic_held_out
+from torchtitan_moe.train.job_config import load_job_config
+from torchtitan_moe.components.data.synthetic import chain_entropy
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel
 
 pytestmark = [
@@ -53,7 +53,7 @@ RUNS = {
 # Our train step (no host syncs) against torchtitan's, on the recipe run: 2 micro-batches a step, a
 # global token count over 2 ranks, the balance loss over both, logging every step.
 RUNS["recipe_torchtitan_step"] = RUNS["recipe"]
-# A logging step's line is written once the next step is queued (train_step.py): a run whose data runs out
+# A logging step's line is written once the next step is queued (train/step.py): a run whose data runs out
 # after step 5 (the data_runs_out op: 5 batches) still writes step 5's.
 RUNS["data_runs_out"] = ["--training.steps", "10", "--metrics.log_freq", "5"]
 # Each line timed from the last logged step's end to its own (train_step.mark), not from line to line:
@@ -131,7 +131,7 @@ def runs(launched):
 
 def test_a_run_stops_its_data_worker_when_it_closes(launched):
     # Left to the garbage collector, the worker never got its stop signal and was killed after 5 s
-    # (torchtitan_moe/data: stop_workers): 5 s of every run in a multi-run launch.
+    # (torchtitan_moe/components/data: stop_workers): 5 s of every run in a multi-run launch.
     assert json.loads((launched / "data_workers.json").read_text()) == [0]
 
 
@@ -251,7 +251,7 @@ def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):
 
 
 def test_our_train_step_trains_as_torchtitans_bit_for_bit(runs):
-    # train_step.py is torchtitan's step without its host syncs, its lines written a step later: every
+    # train/step.py is torchtitan's step without its host syncs, its lines written a step later: every
     # value of every line the same (losses, grad norms, tokens seen, learning rate, MoE statistics and
     # router losses per layer), but for the timings.
     ours, theirs = runs["recipe"], runs["recipe_torchtitan_step"]
@@ -265,7 +265,7 @@ def test_our_train_step_trains_as_torchtitans_bit_for_bit(runs):
 
 
 def test_a_step_line_is_written_once_the_next_step_is_queued(launched, runs):
-    # Reading a logged step's values before the next step is queued would drain the GPU (train_step.py).
+    # Reading a logged step's values before the next step is queued would drain the GPU (train/step.py).
     # Step 5's line comes when step 6 finds no data; then the run ends, its line written.
     order = json.loads((launched / "data_runs_out.order.json").read_text())
     assert order == [["step", 1], ["step", 2], ["line", 1], ["step", 3], ["step", 4], ["step", 5], ["line", 5]]

@@ -9,9 +9,9 @@ from torch import nn
 
 from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
 from torchtitan_moe.moe.experts import GroupedExperts, refresh_working_copies, stale_working_copies
-from torchtitan_moe.optimizer import AdamW, attach_working_copies
-from torchtitan_moe.seam import ExpertBatch
-from torchtitan_moe.torchtitan_compat import OptimizersContainer
+from torchtitan_moe.components.optimizer import AdamW, attach_working_copies
+from torchtitan_moe.dispatch.seam import ExpertBatch
+from torchtitan_moe.compat.torchtitan import OptimizersContainer
 
 E, D, I, N = 4, 16, 8, 24
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -161,7 +161,7 @@ def test_a_compiled_forward_without_copies_says_what_to_call():
 
 
 def kept(experts, optimizers, **kwargs):
-    from torchtitan_moe.optimizer import keep_expert_gradients
+    from torchtitan_moe.components.optimizer import keep_expert_gradients
 
     attach_working_copies(optimizers, [experts])
     keep_expert_gradients("bfloat16", optimizers, [experts], **{"accumulation_steps": 1, "pipeline": False, **kwargs})
@@ -173,7 +173,7 @@ def test_gradients_kept_on_the_working_copies_train_as_the_fp32_gradients(compil
     (the masters get none), with the bits of the fp32 gradients they replace (widening is exact); our AdamW
     reads them and steps as it does from the fp32 ones, bit for bit, and each step drops them; the norm the
     clipping uses is the same up to fp32 summation order. Eager and compiled (the copies are graph inputs)."""
-    from torchtitan_moe.optimizer import total_grad_norm
+    from torchtitan_moe.components.optimizer import total_grad_norm
 
     runs = {}
     for keep in (False, True):
@@ -232,7 +232,7 @@ def test_gradients_kept_on_the_working_copies_are_cleared_by_zero_grad():
     ("no_copies", r"outside FSDP2.*this run has none"),
 ])
 def test_kept_gradients_are_refused_where_a_step_would_not_read_them(case, message):
-    from torchtitan_moe.config import ConfigError
+    from torchtitan_moe.config.sections import ConfigError
 
     experts, _ = experts_and_batch(working=case != "no_copies")
     optimizer = torch.optim.AdamW if case == "torch_adamw" else AdamW
@@ -243,7 +243,7 @@ def test_kept_gradients_are_refused_where_a_step_would_not_read_them(case, messa
 
 
 def test_torchtitans_clip_is_refused_where_the_gradients_are_kept():
-    from torchtitan_moe.optimizer import clip_in_optimizer
+    from torchtitan_moe.components.optimizer import clip_in_optimizer
 
     experts, batch = experts_and_batch()
     optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5))
@@ -257,7 +257,7 @@ def test_torchtitans_clip_is_refused_where_the_gradients_are_kept():
 
 
 def test_the_monitors_grad_norm_counts_the_kept_gradients():
-    from torchtitan_moe.checks.monitors import local_grad_norm
+    from torchtitan_moe.components.checks.monitors import local_grad_norm
 
     norms = []
     for keep in (False, True):
@@ -275,7 +275,7 @@ def test_the_monitors_grad_norm_counts_the_kept_gradients():
 ])
 def test_expert_grad_dtype_auto_keeps_the_gradients_where_a_step_reads_them_and_float32_never(
         setting, accumulation_steps, keeps):
-    from torchtitan_moe.optimizer import keep_expert_gradients
+    from torchtitan_moe.components.optimizer import keep_expert_gradients
 
     experts, batch = experts_and_batch()
     optimizers = OptimizersContainer([experts], AdamW, dict(lr=0.5))

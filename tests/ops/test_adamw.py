@@ -10,7 +10,7 @@ from ops_helpers import assert_ulp, ulp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from torchtitan_moe.ops.adamw import adamw_foreach_, adamw_step_
-from torchtitan_moe.optimizer import AdamW
+from torchtitan_moe.components.optimizer import AdamW
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -275,8 +275,8 @@ def test_the_in_place_kernel_is_not_autotuned():
 @pytest.mark.parametrize("update, moments, ours", [("auto", "float32", torch.cuda.is_available()), ("auto", "bfloat16", True),
                                                     ("triton", "float32", True), ("torch", "float32", False)])
 def test_update_picks_the_optimizer_and_ours_keeps_the_moments_asked_for(update, moments, ours):
-    from torchtitan_moe.config_loader import load_job_config
-    from torchtitan_moe.optimizer import build_optimizers
+    from torchtitan_moe.train.job_config import load_job_config
+    from torchtitan_moe.components.optimizer import build_optimizers
 
     job = load_job_config(["--job.config_file", "configs/debug.toml", "--optimizer.update", update,
                            "--optimizer.moments_dtype", moments])

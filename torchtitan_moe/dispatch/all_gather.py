@@ -33,10 +33,9 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
-from torchtitan_moe.config import ConfigError
-from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport, PeerMemoryUnavailable
+from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.seam import ExpertBatch, Routing, expert_major
+from torchtitan_moe.dispatch.seam import ExpertBatch, Routing, expert_major
 
 EP_SIZES = (2,)
 
@@ -48,10 +47,7 @@ def build_transport(group: dist.ProcessGroup, device: torch.device):
                          f"EP group of {dist.get_world_size(group)}; use 'deepep' or 'all_to_all'")
     if device.type != "cuda":
         return CollectiveTransport(group)
-    try:
-        return PeerMemoryTransport(group)
-    except PeerMemoryUnavailable as e:
-        raise ConfigError(f"[dispatch] backend = 'all_gather': {e}; use 'deepep' or 'all_to_all'") from None
+    return PeerMemoryTransport(group)  # raises PeerMemoryUnavailable
 
 
 class _AllGather(torch.autograd.Function):

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch.exchange import exchange, replay
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.seam import BUFFERS, ExpertBatch, Routing, expert_major
+from torchtitan_moe.dispatch.seam import BUFFERS, ExpertBatch, Routing, expert_major
 
 
 class _Rows(NamedTuple):

@@ -34,7 +34,7 @@ import torch
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch.deepep_backend import MAX_LOCAL_EXPERTS, MAX_TOP_K, DeepEPBackend, Dispatched, Handle
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.seam import BUFFERS, ExpertBatch, Routing, expert_major
+from torchtitan_moe.dispatch.seam import BUFFERS, ExpertBatch, Routing, expert_major
 
 
 class _Dispatch(torch.autograd.Function):

@@ -18,7 +18,7 @@ from collections import deque
 
 import torch
 
-from torchtitan_moe.seam import recomputing
+from torchtitan_moe.dispatch.seam import recomputing
 
 
 class ReplaysExchanges:

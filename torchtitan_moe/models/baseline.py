@@ -25,13 +25,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from torchtitan_moe.data import build_dataloader, build_tokenizer
-from torchtitan_moe.metrics import build_metrics_processor
+from torchtitan_moe.components.data import build_dataloader, build_tokenizer
+from torchtitan_moe.components.metrics import build_metrics_processor
 from torchtitan_moe.models.qwen3_moe import flavor_args
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
 from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel
-from torchtitan_moe.optimizer import build_optimizers
-from torchtitan_moe.torchtitan_compat import (
+from torchtitan_moe.components.optimizer import build_optimizers
+from torchtitan_moe.compat.torchtitan import (
     TorchtitanMoEArgs,
     TorchtitanQwen3Model,
     TorchtitanQwen3ModelArgs,

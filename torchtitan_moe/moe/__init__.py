@@ -2,6 +2,6 @@
 
 from torchtitan_moe.moe.layer import MoE, MoEArgs
 from torchtitan_moe.moe.router import Router
-from torchtitan_moe.seam import Routing
+from torchtitan_moe.dispatch.seam import Routing
 
 __all__ = ["MoE", "MoEArgs", "Router", "Routing"]

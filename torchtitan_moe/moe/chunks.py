@@ -16,7 +16,7 @@ and the schedule is the plain one twice. Opt-in: on 2 H200s at 30B-A3B shapes it
 DeepEP, 0.87x all_to_all, worklogs/2026-11-26-ep2-step-h200x2.md; 0.935x with DeepEP after the working
 copies, worklogs/2026-11-26-session5-h200x2.md). Each variant with overlap against the same without:
 
-    python -m torchtitan_moe.bench_train configs/qwen3_30b_a3b_8l.toml --models all_to_all,deepep \
+    python -m torchtitan_moe.tools.bench_train configs/qwen3_30b_a3b_8l.toml --models all_to_all,deepep \
         --routers learned --modes eager,compiled --vary dispatch.overlap=none,chunks -- --parallelism.expert_parallel_degree 2
 
 Same results as one chunk: the router, its losses and the layer's statistics see all T tokens
@@ -46,7 +46,7 @@ import dataclasses
 import torch
 
 from torchtitan_moe.moe.router import count_tokens
-from torchtitan_moe.seam import Routing
+from torchtitan_moe.dispatch.seam import Routing
 
 CHUNKS = 2
 

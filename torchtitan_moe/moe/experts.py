@@ -9,10 +9,10 @@ applied inside swiglu_prob, before w2, so its gradient reaches the router from t
 
 Experts outside FSDP2 (parallelize: their FSDP group would have one rank) keep fp32 master weights,
 the optimizer's, and a bf16 working copy of them that the GEMMs read: cast before a forward when
-the weights changed, or written by the optimizer in its update (optimizer.py), so no step casts
+the weights changed, or written by the optimizer in its update (components/optimizer.py), so no step casts
 them more than once and the backward reads the forward's copy. The gradient reaches the master in fp32,
 or, with `working_gradients` (one backward per optimizer step: [optimizer] expert_grad_dtype = "bfloat16"),
-stays on the working copy in the GEMMs' dtype, its exact values without the fp32 copy (optimizer.py reads it).
+stays on the working copy in the GEMMs' dtype, its exact values without the fp32 copy (components/optimizer.py reads it).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_moe import ops
-from torchtitan_moe.seam import ExpertBatch
+from torchtitan_moe.dispatch.seam import ExpertBatch
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -206,6 +206,6 @@ def working_copy_flags(model: nn.Module) -> tuple[list[str], torch.Tensor | None
 def stale_working_copies(model: nn.Module) -> list[str]:
     """The working copies whose bits differ from their master weight's cast (between optimizer steps all
     are current: a weight changed behind the experts' back): a training-health check (working_copy_flags),
-    read back at once (one host sync). Training reads it with its step's log (metrics.py)."""
+    read back at once (one host sync). Training reads it with its step's log (components/metrics.py)."""
     names, flags = working_copy_flags(model)
     return [] if flags is None else [name for name, differ in zip(names, flags.tolist()) if differ]

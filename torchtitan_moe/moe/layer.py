@@ -5,7 +5,7 @@
 
 (dispatcher.send_tokens(x) comes first: all_gather starts moving the tokens under the router.)
 
-The dispatcher speaks the seam (torchtitan_moe/seam.py); which one a layer gets is decided above
+The dispatcher speaks the seam (torchtitan_moe/dispatch/seam.py); which one a layer gets is decided above
 this package (parallelization); a layer used on its own gets the seam's LocalDispatcher. With
 `overlap = "chunks"` ([dispatch] overlap) the tokens after the router go through in two chunks,
 one chunk's exchange in flight while the other's experts compute (moe/chunks.py).
@@ -29,7 +29,7 @@ from torchtitan_moe.moe.experts import GroupedExperts, autocast_dtype
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
 from torchtitan_moe.moe.router_losses import BalanceLoss
-from torchtitan_moe.seam import LocalDispatcher, recomputing
+from torchtitan_moe.dispatch.seam import LocalDispatcher, recomputing
 
 
 @dataclass

@@ -32,8 +32,8 @@ from torchtitan_moe.moe.router_losses import (
     sequence_balance_loss,
     z_loss,
 )
-from torchtitan_moe.parallel.router_gate import gathered_gate
-from torchtitan_moe.seam import Routing
+from torchtitan_moe.compat.collectives import gathered_rows
+from torchtitan_moe.dispatch.seam import Routing
 
 
 class Router(nn.Module):
@@ -110,7 +110,7 @@ class Router(nn.Module):
         """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss."""
         weight = self.gate.weight
         if isinstance(weight, DTensor):  # sharded by rows outside FSDP2 (parallel/router_gate.py): gather it here
-            weight = gathered_gate(weight)
+            weight = gathered_rows(weight)
         routing = self.route(x, seq_len, weight)
         if self.balance_loss == "global_batch" and self.training and torch.is_grad_enabled():
             balance = self.global_balance_loss(routing.scores, routing.tokens_per_expert)

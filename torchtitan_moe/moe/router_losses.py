@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from torchtitan_moe.seam import recomputing
+from torchtitan_moe.dispatch.seam import recomputing
 
 BalanceLoss = Literal["none", "sequence", "micro_batch", "global_batch"]
 BALANCE_LOSSES = ("none", "sequence", "micro_batch", "global_batch")

@@ -27,7 +27,7 @@ param stays fp32 (the master weights); grad may be any float dtype. With fp32 mo
 torch.optim.AdamW's up to fp32 rounding order, and the seeds are unused.
 
 `grad_scale` is how gradient clipping reaches the update without a pass of its own over the
-gradients (optimizer.py): the clip coefficient's inverse, a device scalar, as torch's fused AdamW
+gradients (components/optimizer.py): the clip coefficient's inverse, a device scalar, as torch's fused AdamW
 takes it from GradScaler. `working` is the parameter's low-precision copy that the GEMMs read
 (experts outside FSDP2, moe/experts.py): written from the new fp32 value in the same pass, 2 bytes
 per element, instead of a cast that reads 4 and writes 2 before the next forward. The Triton kernel

@@ -2,7 +2,7 @@
 
     sum_of_squares(tensors [*] each, float, on one device) -> [] fp32 (fp64 where a tensor is)
 
-What gradient clipping and the training-health monitor need of the gradients (optimizer.py:
+What gradient clipping and the training-health monitor need of the gradients (components/optimizer.py:
 total_grad_norm, checks/monitors.py: local_grad_norm): the experts' bf16 gradients are 2.4B elements a
 rank at 30B-A3B-8l, EP = 2. The reference is torch's foreach norm per dtype, accumulated in fp32 from the
 tensors as they are, which runs ~115 launches of 320 blocks over them (2.0 ms a step on an H200 in session

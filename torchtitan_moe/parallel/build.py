@@ -16,6 +16,8 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher, build_transport
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
+from torchtitan_moe.dispatch.peer_memory import PeerMemoryUnavailable
+from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.parallel.choose import choose_dispatcher
 from torchtitan_moe.parallel.tuned import Shape
 from torchtitan_moe.moe.layer import MoE
@@ -59,7 +61,10 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
     logger.info(f"[dispatch] {choice.reason}")
     backend = None  # what the layers' dispatchers share: DeepEP's buffer, or the all-gather's transport
     if choice.backend == "all_gather":
-        backend = build_transport(group, device)
+        try:
+            backend = build_transport(group, device)
+        except PeerMemoryUnavailable as e:
+            raise ConfigError(f"[dispatch] backend = 'all_gather': {e}; use 'deepep' or 'all_to_all'") from None
     if choice.backend == "deepep":
         from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
         from torchtitan_moe.dispatch.deepep_backend import DeepEPV1

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from torchtitan_moe.config import ConfigError
+from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.parallel import tuned
 from torchtitan_moe.dispatch.all_gather import EP_SIZES
 from torchtitan_moe.dispatch.peer_memory import peers_problem
@@ -31,7 +31,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
     shape_problem,
 )
 
-TUNER = "python -m torchtitan_moe.tune_dispatch CONFIG"
+TUNER = "python -m torchtitan_moe.tools.tune_dispatch CONFIG"
 
 
 @dataclass

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan_moe.parallel.collectives import all_gather, reduce_scatter_sum
+from torchtitan_moe.compat.collectives import all_gather, reduce_scatter_sum
 
 
 def shard_embedding_rows(embedding: nn.Embedding, mesh: DeviceMesh, compute_dtype: torch.dtype) -> None:

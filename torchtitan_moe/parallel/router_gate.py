@@ -5,7 +5,7 @@ two groups a layer. Its forward pre-hook and post-backward hook cost the host ab
 (profiled) for a 0.5 MB all-gather and reduce-scatter (rank 0's profile of 30B-A3B-8l at EP = 2, local
 batch 4, 2 H200s: worklogs/2026-11-27-session13-h200x2.md), where local batch 2 waits for the host. Here each
 rank keeps the shard FSDP2 would (a DTensor, Shard(0) on the same mesh: checkpoints, the sharded init,
-the clip and the optimizer see the same parameter) and the router's forward gathers it:
+the clip and the optimizer see the same parameter) and the router's forward gathers it (compat/collectives.py's gathered_rows):
 
     forward   all-gather this rank's fp32 rows [E/W, D] -> the gate [E, D]: exact, as FSDP2's fp32 policy
     backward  reduce-scatter the gate's fp32 gradient [E, D] -> this rank's rows [E/W, D], summed over
@@ -18,12 +18,10 @@ divides the experts (every rank the same number of rows: one collective of equal
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtitan_moe.parallel.collectives import all_gather, reduce_scatter_sum
 
 
 def gate_rows_problem(mesh: DeviceMesh, num_experts: int) -> str | None:
@@ -47,21 +45,3 @@ def shard_gate_rows(gate: nn.Linear, mesh: DeviceMesh) -> None:
     local = weight.detach().chunk(mesh.size(), dim=0)[mesh.get_local_rank()].clone()
     sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=weight.shape, stride=weight.stride())
     gate.weight = nn.Parameter(sharded, requires_grad=weight.requires_grad)
-
-
-def gathered_gate(weight: DTensor) -> torch.Tensor:
-    """The whole gate [E, D] (a plain tensor) from a weight sharded by shard_gate_rows; its gradient goes back
-    to each rank's rows, summed over the ranks."""
-    # to_local: autograd hands the local gradient back as the DTensor's, Shard(0).
-    return _GatheredRows.apply(weight.to_local(), weight.device_mesh)
-
-
-class _GatheredRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        ctx.mesh = mesh
-        return all_gather(local.contiguous(), mesh)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_sum(grad.contiguous(), ctx.mesh), None

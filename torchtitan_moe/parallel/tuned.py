@@ -1,4 +1,4 @@
-"""The tuned dispatcher table: what `python -m torchtitan_moe.tune_dispatch` measured.
+"""The tuned dispatcher table: what `python -m torchtitan_moe.tools.tune_dispatch` measured.
 
 `[dispatch] backend = "auto"` reads it to choose a dispatcher, `"deepep"` for its settings.
 A JSON file: the package ships `tuned_dispatch.json` beside this module (SHIPPED: entries
@@ -24,7 +24,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from torchtitan_moe.config import ConfigError
+from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings
 
 VERSION = 1
@@ -122,7 +122,7 @@ def load_named(path: str) -> list[TunedEntry]:
     """The entries of a file a user named in [dispatch] tuned_file: it must exist and parse."""
     if not os.path.exists(path):
         raise ConfigError(f"[dispatch] tuned_file = {path!r}: no such file (leave it unset for the table shipped "
-                          "with the package, or measure one with python -m torchtitan_moe.tune_dispatch CONFIG)")
+                          "with the package, or measure one with python -m torchtitan_moe.tools.tune_dispatch CONFIG)")
     return load(path)
 
 

@@ -7,15 +7,15 @@ from collections.abc import Mapping
 
 import torch
 
-from torchtitan_moe.data import build_dataloader, build_tokenizer
-from torchtitan_moe.metrics import build_metrics_processor
+from torchtitan_moe.components.data import build_dataloader, build_tokenizer
+from torchtitan_moe.components.metrics import build_metrics_processor
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
 from torchtitan_moe.models.qwen3_moe.model import Qwen3MoEModel
 from torchtitan_moe.models.qwen3_moe.parallelize import parallelize_qwen3_moe
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import Qwen3MoEStateDictAdapter
 from torchtitan_moe.moe.balance import register_balancing_hook
-from torchtitan_moe.optimizer import build_optimizers
-from torchtitan_moe.torchtitan_compat import (
+from torchtitan_moe.components.optimizer import build_optimizers
+from torchtitan_moe.compat.torchtitan import (
     TrainSpec,
     build_cross_entropy_loss,
     build_lr_schedulers,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from torch import nn
 
 from torchtitan_moe.moe.layer import MoE, MoEArgs
-from torchtitan_moe.torchtitan_compat import BaseModelArgs
+from torchtitan_moe.compat.torchtitan import BaseModelArgs
 
 
 @dataclass
@@ -86,7 +86,7 @@ FLAVORS: dict[str, Qwen3MoEArgs] = {
         rope_theta=1e6, moe=MoEArgs(num_experts=128, top_k=8, inter_dim=768),
     ),
     # Qwen3-235B-A22B (its Hugging Face config: 94 layers, hidden 4096, 64 q / 4 kv heads of 128,
-    # 128 experts top-8, moe_intermediate 1536): 235B parameters, for the planner (torchtitan_moe.plan).
+    # 128 experts top-8, moe_intermediate 1536): 235B parameters, for the planner (torchtitan_moe.tools.plan).
     "235b-a22b": Qwen3MoEArgs(
         dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, vocab_size=151936,
         rope_theta=1e6, moe=MoEArgs(num_experts=128, top_k=8, inter_dim=1536),

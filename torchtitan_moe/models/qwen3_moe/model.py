@@ -22,7 +22,7 @@ from torchtitan_moe.models.sharded_init import full_tensors
 from torchtitan_moe.moe.experts import autocast_dtype
 from torchtitan_moe.moe.layer import MoE, resolve_kernels
 from torchtitan_moe.parallel.embedding import embed_sharded_rows
-from torchtitan_moe.torchtitan_compat import Attention, ModelProtocol, precompute_rope_cache, trunc_normal_
+from torchtitan_moe.compat.torchtitan import Attention, ModelProtocol, precompute_rope_cache, trunc_normal_
 
 
 class TransformerBlock(nn.Module):

@@ -17,12 +17,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
-from torchtitan_moe.config import ConfigError
+from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.moe.experts import refresh_working_copies
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.parallel.embedding import shard_embedding_rows
 from torchtitan_moe.parallel.router_gate import gate_rows_problem, shard_gate_rows
-from torchtitan_moe.torchtitan_compat import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
+from torchtitan_moe.compat.torchtitan import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

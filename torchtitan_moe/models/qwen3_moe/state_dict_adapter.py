@@ -37,7 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
-from torchtitan_moe.torchtitan_compat import StateDictAdapter
+from torchtitan_moe.compat.torchtitan import StateDictAdapter
 
 # Keys outside the blocks, and keys inside block {i} (relative to "layers.{i}." / "model.layers.{i}.").
 _TOP = {

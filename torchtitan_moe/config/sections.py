@@ -1,0 +1,458 @@
+"""Our TOML sections and the semantic checks that stop a bad config before training (impossible
+combinations of valid values; unknown keys and wrong types are config/structure.py's).
+
+torchtitan merges `JobConfig` below into its own (``job.custom_config_module =
+"torchtitan_moe.config.sections"``, which our entry points add by themselves), so these sections
+live in the same TOML file and take the same ``--section.key value`` overrides.
+
+Every problem is reported as one `ConfigError` line that names the key and what is allowed.
+This module imports nothing from torchtitan: the merged config class is passed in. No
+`from __future__ import annotations` here: torchtitan and the checks read real field types.
+"""
+
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+ALIGNMENTS = (8, 16, 32)
+MODEL_NAMES = ("qwen3_moe", "torchtitan_qwen3_moe")
+
+
+class ConfigError(ValueError):
+    """A config problem, worded as one line naming the key and what is allowed."""
+
+
+# Keys that were replaced, with what replaces them: a config that still names one stops here.
+REPLACED_KEYS = {
+    ("router", "aux_loss_coeff"): 'replaced by balance_loss = "sequence" (its loss) and balance_loss_coeff (its weight)',
+}
+
+
+@dataclass
+class Moe:
+    num_experts: int | None = None
+    """Routed experts per MoE layer (default: the model flavor's)."""
+
+    top_k: int | None = None
+    """Experts each token is sent to (default: the model flavor's)."""
+
+    inter_dim: int | None = None
+    """Hidden size of each expert (default: the model flavor's)."""
+
+    padding: Literal["none", "auto", "always"] = "auto"
+    """Pad each expert's rows for torch._grouped_mm: 'auto' pads only where the GPU needs it
+    (compute capability 10.x gives empty groups wrong weight gradients), 'always', 'none'."""
+
+    align: int = 8
+    """Row alignment of each expert's group when padding (8, 16 or 32)."""
+
+
+@dataclass
+class Router:
+    score_func: Literal["softmax", "sigmoid"] | None = None
+    """Score function over the gate logits (default: the model flavor's)."""
+
+    route_norm: bool | None = None
+    """Renormalize the top-k probabilities to sum to 1 (default: the model flavor's)."""
+
+    route_scale: float = 1.0
+    """Multiplier on the top-k probabilities."""
+
+    init_std: float = 0.02
+    """Std of the gate's truncated-normal init. 0 reproduces a zero-initialized gate."""
+
+    bias_update_rate: float = 0.0
+    """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off, the default:
+    Hugging Face's Qwen3-MoE has no expert bias, so a model trained with one does not export as trained)."""
+
+    balance_loss: Literal["none", "sequence", "micro_batch", "global_batch"] = "global_batch"
+    """Load-balance loss sum_e f_e P_e (1 when balanced), f and P counted per 'sequence' (DeepSeek-V3),
+    per 'micro_batch' (Switch, GShard) or f over the 'global_batch' (Qwen3: all data-parallel ranks and
+    the step's micro-batches so far, one all-reduce of E counts per layer)."""
+
+    balance_loss_coeff: float = 1e-3
+    """Each MoE layer adds coeff x its balance loss (Megatron-LM, DeepSeek-V3); > 0 exactly when
+    balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale. The
+    defaults (global_batch, 1e-3, no expert bias) are Qwen3's recipe, as the shipped configs train."""
+
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE, OLMoE: 1e-3; 0: off)."""
+
+    n_groups: int = 1
+    """Group-limited routing (DeepSeek-V3): the experts split into this many groups (1: off)."""
+
+    topk_groups: int = 1
+    """Groups a token may use, ranked by the sum of their best top_k // topk_groups choice scores."""
+
+    force_balance: bool = False
+    """Ignore the scores and send tokens round-robin over experts (benchmarks only)."""
+
+    gate_precision: Literal["float32", "param"] = "float32"
+    """The gate's matrix product: 'float32' from fp32 weights (its own FSDP2 group), or 'param':
+    in [training] mixed_precision_param, as torchtitan's Qwen3 does (scores in fp32 either way)."""
+
+
+@dataclass
+class Dispatch:
+    backend: Literal["auto", "local", "all_to_all", "deepep", "all_gather"] = "auto"
+    """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed,
+    one copy of a token per destination rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8
+    on one node), 'all_gather' (EP = 2 on one node: every token to both ranks on the GPUs' copy
+    engines, no SM held), 'auto' (local at EP = 1; else the faster one in tuned_file, or all_to_all)."""
+
+    tuned_file: str = ""
+    """Your own dispatcher timings and DeepEP settings (`python -m torchtitan_moe.tools.tune_dispatch`
+    writes them), looked up before the table shipped with the package (measured on H200s);
+    unset: the shipped table alone."""
+
+    num_sms: int = 0
+    """DeepEP's SMs (even); 0: the tuned file's, else DeepEP's default (24)."""
+
+    buffers: Literal["exact", "worst_case"] = "exact"
+    """EP > 1: 'exact' sizes the received rows from their counts (one host sync per MoE layer);
+    'worst_case' for the most a rank can receive: no host sync, more memory (dispatch/all_to_all.py)."""
+
+    overlap: Literal["none", "chunks"] = "none"
+    """EP > 1: 'chunks' splits each MoE layer's tokens in two, one chunk's dispatch or combine in
+    flight while the other's experts compute (moe/chunks.py); opt-in, not yet measured at EP = 2."""
+
+
+@dataclass
+class Kernels:
+    backend: Literal["auto", "torch", "triton"] = "auto"
+    """MoE hot-path ops: 'torch' reference, 'triton' kernels, 'auto' (triton on CUDA, torch on CPU)."""
+
+
+@dataclass
+class Checks:
+    router_init: Literal["error", "warn", "off"] = "error"
+    """Router-init checks before step 1: stop ('error'), log ('warn') or skip ('off')."""
+
+    monitor_freq: int = 10
+    """Run the training-health monitors every N steps (0: off)."""
+
+    init_fingerprint: bool = False
+    """Write <dump_folder>/init_fingerprint.json before step 1: per weight, in torchtitan's Qwen3
+    names, its sum and sum of squares in float64 (the parity harness checks runs start alike)."""
+
+
+@dataclass
+class Data:
+    tokenizer: str = "bytes"
+    """'bytes' (byte-level, no file) or a path to a tokenizers `tokenizer.json` (text data)."""
+
+    synthetic_seed: int = 1234
+    """Seed of the synthetic stream's hidden Markov chain (the same on every rank)."""
+
+    synthetic_successors: int = 4
+    """Likely next tokens per token in the synthetic stream (lower: easier to learn)."""
+
+    workers: int = 1
+    """Processes that make the batches beside training (the DataLoader's num_workers). 0 makes them in the
+    training process, between steps: the synthetic walk is a Python loop of about 3 ms a sequence of 4,096
+    tokens on the lent hosts, which a step whose host is the bottleneck (local batch 2) waits for."""
+
+
+@dataclass
+class Model:
+    hf_assets_path: str = "."
+    """A Hugging Face model folder: [checkpoint] initial_load_in_hf without initial_load_path loads its
+    weights, and its model.safetensors.index.json (if any) shards a last_save_in_hf export the same
+    way. The tokenizer comes from [data], not from here."""
+
+    init_from: Literal["own", "qwen3_moe"] = "own"
+    """The weights the torchtitan_qwen3_moe baseline starts from: its own init, or the one our
+    qwen3_moe model makes from the same seed (parity against torchtitan). Ours: 'own' only."""
+
+
+@dataclass
+class Checkpoint:
+    last_save_model_only: bool = False
+    """Save the last step as the model only (weights to export or evaluate) instead of a full
+    checkpoint. torchtitan's default is true; ours is false, so that a finished run can be
+    extended with more steps (optimizer, step and data position included)."""
+
+
+@dataclass
+class Optimizer:
+    moments_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's exp_avg and exp_avg_sq stored in 'float32' (torch's AdamW) or 'bfloat16' (4 bytes less
+    per parameter; fp32 update and master weights; components/optimizer.py)."""
+    update: Literal["auto", "torch", "triton"] = "auto"
+    """Where AdamW's update runs: 'torch' (torchtitan's optimizer, fp32 moments), 'triton' (ours: one
+    pass per parameter that also writes the experts' bf16 working copies; fp32 or bf16 moments), or
+    'auto': 'triton' for bf16 moments and for AdamW on a GPU, else 'torch'."""
+    expert_grad_dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The experts' weight gradients where the experts keep bf16 working copies (outside FSDP2): an fp32
+    copy for each fp32 master weight ('float32'), or 'bfloat16': the GEMMs' own gradients, left on the
+    working copies (the same values; 2 bytes a weight instead of 4 and no pass that widens them). That needs
+    one micro-batch a step, our AdamW and no pipeline parallelism (optimizer.keep_expert_gradients);
+    'bfloat16' refuses a run without them, 'auto' takes it where they hold and 'float32' elsewhere. Our
+    model's experts only: the torchtitan baseline (no working copies) ignores it."""
+
+
+@dataclass
+class Parallelism:
+    embedding: Literal["auto", "fsdp", "rows"] = "auto"
+    """How the token embedding is sharded over the FSDP ranks: 'fsdp' (FSDP2 gathers the weight for the
+    forward and reduce-scatters its gradient, both exposed at the step's ends), 'rows' (each rank keeps
+    its rows and the tokens and their gradients travel instead: parallel/embedding.py), or 'auto': 'rows'
+    under FSDP without HSDP replicas or tied weights, else 'fsdp'. Our model only."""
+    router: Literal["auto", "fsdp", "rows"] = "auto"
+    """How each router's fp32 gate is sharded over the FSDP ranks: 'fsdp' (an FSDP2 group of its own per
+    layer), 'rows' (each rank keeps its rows and the router gathers them in its forward, reduce-scattering
+    the gradient in its backward, without FSDP2's hooks: parallel/router_gate.py; the same values), or
+    'auto': 'rows' under FSDP without HSDP replicas where the experts split evenly over the ranks, else
+    'fsdp'. Our model only."""
+
+
+@dataclass
+class Metrics:
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s that MFU is measured against (0: torchtitan's dense bf16 figure for the GPU)."""
+
+
+@dataclass
+class Training:
+    dataset: str = "synthetic"
+    """'synthetic' (learnable Markov stream, no files) or 'text' (local files at dataset_path)."""
+
+
+@dataclass
+class JobConfig:
+    """Merged by torchtitan's ConfigManager into its own JobConfig."""
+
+    moe: Moe = field(default_factory=Moe)
+    router: Router = field(default_factory=Router)
+    dispatch: Dispatch = field(default_factory=Dispatch)
+    kernels: Kernels = field(default_factory=Kernels)
+    checks: Checks = field(default_factory=Checks)
+    data: Data = field(default_factory=Data)
+    model: Model = field(default_factory=Model)
+    metrics: Metrics = field(default_factory=Metrics)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    training: Training = field(default_factory=Training)
+
+
+# ---------------------------------------------------------------------------------------
+# Semantics: impossible combinations, checked on the parsed config (TOML + CLI overrides).
+# ---------------------------------------------------------------------------------------
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = None) -> None:
+    """Check combinations that cannot train. `flavors` maps flavor names to model args
+    (anything with `.moe.num_experts` and `.moe.top_k`)."""
+    _need(
+        cfg.model.name in MODEL_NAMES,
+        f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "
+        "(torchtitan's own, the benchmark baseline)",
+    )
+    _need(
+        cfg.model.flavor in flavors,
+        f"[model] flavor = {cfg.model.flavor!r}: expected one of {', '.join(repr(f) for f in flavors)}",
+    )
+    _need(cfg.model.init_from == "own" or cfg.model.name == "torchtitan_qwen3_moe",
+          f"[model] init_from = {cfg.model.init_from!r} is for the torchtitan_qwen3_moe baseline; "
+          f"{cfg.model.name!r} starts from its own init ('own')")
+    _need(cfg.model.init_from == "own" or cfg.debug.seed is not None,
+          "[model] init_from = 'qwen3_moe' needs [debug] seed: our init draws from it (unset, every run differs)")
+    args = flavors[cfg.model.flavor].moe
+    moe, router, par = cfg.moe, cfg.router, cfg.parallelism
+    num_experts = moe.num_experts if moe.num_experts is not None else args.num_experts
+    top_k = moe.top_k if moe.top_k is not None else args.top_k
+
+    _need(num_experts >= 1, f"[moe] num_experts = {num_experts}: must be >= 1")
+    _need(1 <= top_k <= num_experts, f"[moe] top_k = {top_k}: must be in 1..num_experts ({num_experts})")
+    _need(moe.inter_dim is None or moe.inter_dim >= 1, f"[moe] inter_dim = {moe.inter_dim}: must be >= 1")
+    _need(moe.align in ALIGNMENTS, f"[moe] align = {moe.align}: must be one of 8, 16, 32")
+    _need(router.init_std >= 0, f"[router] init_std = {router.init_std}: must be >= 0")
+    _need(router.route_scale > 0, f"[router] route_scale = {router.route_scale}: must be > 0")
+    _need(router.bias_update_rate >= 0, f"[router] bias_update_rate = {router.bias_update_rate}: must be >= 0 (0: off)")
+    _need(cfg.metrics.peak_tflops >= 0, f"[metrics] peak_tflops = {cfg.metrics.peak_tflops}: must be >= 0 (0: from the GPU)")
+    check_router_losses(router)
+    check_groups(router, num_experts, top_k)
+    _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
+
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
+        degree = getattr(par, key)
+        _need(degree == 1, f"[parallelism] {key} = {degree}: qwen3_moe supports FSDP and EP only; set 1")
+    ep = par.expert_parallel_degree
+    _need(ep >= 1, f"[parallelism] expert_parallel_degree = {ep}: must be >= 1")
+    _need(
+        num_experts % ep == 0,
+        f"[parallelism] expert_parallel_degree = {ep}: must divide [moe] num_experts ({num_experts})",
+    )
+    _need(
+        par.expert_tensor_parallel_degree == 1,
+        f"[parallelism] expert_tensor_parallel_degree = {par.expert_tensor_parallel_degree}: only 1 is supported",
+    )
+    shard = par.data_parallel_shard_degree
+    if shard != -1:
+        _need(shard >= 1, f"[parallelism] data_parallel_shard_degree = {shard}: must be -1 (all) or >= 1")
+        _need(shard % ep == 0, f"[parallelism] expert_parallel_degree = {ep}: must divide data_parallel_shard_degree ({shard})")
+    replicate = par.data_parallel_replicate_degree
+    _need(replicate >= 1, f"[parallelism] data_parallel_replicate_degree = {replicate}: must be >= 1")
+    if world_size is not None:
+        check_data_parallel(replicate, shard, ep, world_size)
+    _need(par.embedding != "rows" or replicate == 1, f"[parallelism] embedding = 'rows' shards the embedding over "
+          f"the FSDP ranks of one replica: with data_parallel_replicate_degree = {replicate} use 'fsdp' or 'auto'")
+    _need(par.router != "rows" or replicate == 1, f"[parallelism] router = 'rows' shards each router's gate over "
+          f"the FSDP ranks of one replica: with data_parallel_replicate_degree = {replicate} use 'fsdp' or 'auto'")
+
+    if cfg.model.name == "qwen3_moe":  # [dispatch] configures our MoE layers; torchtitan's has its own EP
+        check_dispatch(cfg, ep)
+
+    train = cfg.training
+    _need(train.dataset in ("synthetic", "text"), f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text'")
+    if train.dataset == "text":
+        path = train.dataset_path
+        _need(bool(path) and os.path.exists(path), f"[training] dataset_path = {path!r}: no such file or folder (needed by dataset = 'text')")
+    tokenizer = cfg.data.tokenizer
+    _need(
+        tokenizer == "bytes" or os.path.isfile(tokenizer),
+        f"[data] tokenizer = {tokenizer!r}: expected 'bytes' or the path of a tokenizer.json",
+    )
+    _need(train.seq_len >= 2, f"[training] seq_len = {train.seq_len}: must be >= 2")
+    _need(train.local_batch_size >= 1, f"[training] local_batch_size = {train.local_batch_size}: must be >= 1")
+    _need(cfg.data.synthetic_successors >= 1, f"[data] synthetic_successors = {cfg.data.synthetic_successors}: must be >= 1")
+    _need(cfg.data.workers >= 0, f"[data] workers = {cfg.data.workers}: must be >= 0 (0: batches made in the training process)")
+
+    ck = cfg.checkpoint
+    _need(
+        not ck.initial_load_in_hf or ck.initial_load_model_only,
+        "[checkpoint] initial_load_in_hf = true loads weights only: leave initial_load_model_only = true",
+    )
+    if ck.last_save_in_hf:
+        _need(
+            ck.last_save_model_only,
+            "[checkpoint] last_save_in_hf = true saves the last step as weights only: also set last_save_model_only "
+            "= true (that step then cannot be resumed; `python -m torchtitan_moe.hf.convert to-hf` exports any full step)",
+        )
+        _need(
+            router.bias_update_rate == 0,
+            f"[checkpoint] last_save_in_hf = true with [router] bias_update_rate = {router.bias_update_rate}: Hugging "
+            "Face Qwen3-MoE has no expert bias, so the export would route unlike the trained model; set "
+            "bias_update_rate = 0 (the shipped configs balance with balance_loss = 'global_batch'), or export later with "
+            "`python -m torchtitan_moe.hf.convert to-hf STEP OUT --drop-expert-bias --config RUN.toml`, which prints what "
+            "dropping the bias costs",
+        )
+        _need(
+            router.score_func in (None, "softmax") and router.route_scale == 1.0,
+            "[checkpoint] last_save_in_hf = true: Hugging Face Qwen3-MoE routes with score_func = 'softmax' and "
+            "route_scale = 1.0 only",
+        )
+        _need(
+            router.topk_groups >= router.n_groups,
+            f"[checkpoint] last_save_in_hf = true with [router] n_groups = {router.n_groups}, topk_groups = "
+            f"{router.topk_groups}: Hugging Face Qwen3-MoE picks its top-k over all experts (no group-limited "
+            "routing); set n_groups = 1",
+        )
+
+
+def check_data_parallel(replicate: int, shard: int, ep: int, world_size: int) -> None:
+    """HSDP (replicate x shard) and EP against the number of processes.
+
+    torchtitan 0.2.2's meshes are world = dp_replicate x fsdp (dense) = dp_replicate x efsdp x ep
+    (experts): EP splits one replica's FSDP group, never the replicas, so EP must divide it.
+    """
+    if shard == -1:
+        _need(world_size % replicate == 0,
+              f"[parallelism] data_parallel_replicate_degree = {replicate}: must divide the number of processes "
+              f"({world_size}); each replica shards over the processes / replicate that data_parallel_shard_degree "
+              "= -1 gives it")
+    shard_size = world_size // replicate if shard == -1 else shard
+    _need(
+        replicate * shard_size == world_size,
+        f"[parallelism] data_parallel_replicate_degree ({replicate}) x data_parallel_shard_degree "
+        f"({shard}) must equal the number of processes ({world_size})",
+    )
+    if replicate > 1:
+        _need(
+            shard_size % ep == 0,
+            f"[parallelism] expert_parallel_degree = {ep} with data_parallel_replicate_degree = {replicate}: EP splits "
+            f"one replica's FSDP group ({shard_size} of {world_size} processes; torchtitan's mesh is dp_replicate x "
+            f"efsdp x ep), so it must divide {shard_size}; use a smaller EP, or data_parallel_replicate_degree = 1 "
+            f"for EP up to {world_size}",
+        )
+    _need(
+        shard_size % ep == 0,
+        f"[parallelism] expert_parallel_degree = {ep}: must divide the FSDP group size ({shard_size} "
+        f"of {world_size} processes)",
+    )
+
+
+def check_dispatch(cfg: Any, ep: int) -> None:
+    """[dispatch] against the EP degree and the precision."""
+    backend = cfg.dispatch.backend
+    _need(
+        not (backend == "local" and ep > 1),
+        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all'",
+    )
+    _need(
+        not (backend == "all_to_all" and ep == 1),
+        f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
+    )
+    if backend == "deepep":
+        _need(ep in (2, 4, 8), f"[dispatch] backend = 'deepep' needs [parallelism] expert_parallel_degree 2, 4 or 8 "
+                               f"(DeepEP's intranode kernels), got {ep}")
+        precision = cfg.training.mixed_precision_param
+        _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
+                                       f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
+    if backend == "all_gather":
+        _need(ep == 2, f"[dispatch] backend = 'all_gather' sends every token to every EP rank: it takes "
+                       f"[parallelism] expert_parallel_degree = 2, got {ep}; use 'deepep' or 'all_to_all'")
+        _need(cfg.dispatch.overlap == "none", f"[dispatch] backend = 'all_gather' has no chunked overlap (its "
+                                              f"exchanges finish where they start): set overlap = 'none', got "
+                                              f"{cfg.dispatch.overlap!r}")
+    _need(cfg.dispatch.overlap == "none" or ep > 1,
+          f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
+          f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")
+    num_sms = cfg.dispatch.num_sms
+    _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
+          f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")
+    _need(num_sms == 0 or backend in ("deepep", "auto"),
+          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
+
+
+def check_router_losses(router: Any) -> None:
+    loss, coeff = router.balance_loss, router.balance_loss_coeff
+    _need(coeff >= 0, f"[router] balance_loss_coeff = {coeff}: must be >= 0")
+    _need(
+        not (loss != "none" and coeff == 0),
+        f"[router] balance_loss = {loss!r} needs balance_loss_coeff > 0 (e.g. 1e-3); 'none' turns it off",
+    )
+    _need(
+        not (loss == "none" and coeff > 0),
+        f"[router] balance_loss_coeff = {coeff} has no loss to weigh: set balance_loss (e.g. 'global_batch') or 0",
+    )
+    _need(router.z_loss_coeff >= 0, f"[router] z_loss_coeff = {router.z_loss_coeff}: must be >= 0 (0: off)")
+
+
+def check_groups(router: Any, num_experts: int, top_k: int) -> None:
+    groups, topk_groups = router.n_groups, router.topk_groups
+    _need(groups >= 1, f"[router] n_groups = {groups}: must be >= 1 (1: no groups)")
+    _need(num_experts % groups == 0, f"[router] n_groups = {groups}: must divide [moe] num_experts ({num_experts})")
+    _need(1 <= topk_groups <= groups, f"[router] topk_groups = {topk_groups}: must be in 1..n_groups ({groups})")
+    if groups == 1:
+        return
+    per_group = num_experts // groups
+    _need(
+        top_k <= topk_groups * per_group,
+        f"[moe] top_k = {top_k}: more than topk_groups x experts per group ({topk_groups} x {per_group})",
+    )
+    _need(
+        topk_groups <= top_k,
+        f"[router] topk_groups = {topk_groups}: more than top_k ({top_k}) groups cannot all be used",
+    )
+    _need(
+        not router.force_balance,
+        "[router] force_balance sends tokens round-robin over all experts: it needs n_groups = 1",
+    )

@@ -1,0 +1,72 @@
+"""Validate a config without training, before any worker starts:
+
+    python -m torchtitan_moe.tools.check_config FILE [--nproc N [--nproc-per-node G]] [--section.key value ...]
+
+Checks the TOML and overrides, what this machine must have for them (`check_machine`: a GPU
+for Triton kernels, DeepEP for its dispatcher, a readable tuned file), builds the model on the
+meta device and prints its size. `--nproc` is the number of processes the run will have (all
+nodes); the parallelism degrees are checked against it, as training would. `--nproc-per-node`
+(default: --nproc) bounds DeepEP's expert parallelism, which stays inside a node.
+Exit status 0 when the config can train, 2 with one line naming the problem otherwise.
+`scripts/train.sh` and `scripts/slurm_train.sbatch` run it before they launch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.train.job_config import load_job_config, run_command
+from torchtitan_moe.train.machine import check_machine
+
+USAGE = "usage: python -m torchtitan_moe.tools.check_config FILE [--nproc N [--nproc-per-node G]] [--section.key value ...]"
+
+
+def _take_int(argv: list[str], flag: str) -> int | None:
+    """Remove `flag N` (or `flag=N`) from argv; N must be a positive integer."""
+    for i, arg in enumerate(argv):
+        if arg == flag or arg.startswith(flag + "="):
+            text = arg.split("=", 1)[1] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            del argv[i : i + (1 if "=" in arg else 2)]
+            if not text.isdigit() or int(text) < 1:
+                raise ConfigError(f"{flag} {text!r}: must be a number of processes >= 1")
+            return int(text)
+    return None
+
+
+def check(argv: list[str]) -> str:
+    from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
+
+    argv = list(argv)
+    if not argv or argv[0].startswith("-"):
+        raise ConfigError(USAGE)
+    nproc = _take_int(argv, "--nproc")
+    per_node = _take_int(argv, "--nproc-per-node") or nproc
+    config = load_job_config(["--job.config_file", argv[0], *argv[1:]], world_size=nproc)
+    check_machine(config, per_node)
+    args = flavor_args(config.model.flavor)
+    args.update_from_config(config)
+    with torch.device("meta"):
+        model = Qwen3MoEModel(args)
+    total, flops = args.get_nparams_and_flops(model, config.training.seq_len)
+    moe = args.moe
+    return (
+        f"ok: {config.model.name} {config.model.flavor}: {total / 1e6:,.1f}M parameters, "
+        f"{args.n_layers} layers x {moe.num_experts} experts (top-{moe.top_k}), "
+        f"{flops / 1e9:,.2f} GFLOP per token (training), EP = {config.parallelism.expert_parallel_degree}, "
+        f"dispatch = {config.dispatch.backend}, kernels = {config.kernels.backend}"
+        + (f", {nproc} processes" if nproc else "")
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torchtitan_moe.compat.torchtitan import init_logger
+
+    init_logger()
+    return run_command(check, __doc__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

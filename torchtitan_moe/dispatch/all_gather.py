@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torchtitan_moe import ops
 from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.dispatch.seam import ExpertBatch, Routing, expert_major
+from torchtitan_moe.dispatch.seam import Done, ExpertBatch, Routing, expert_major
 
 EP_SIZES = (2,)
 
@@ -115,7 +115,7 @@ class AllGatherDispatcher(ReplaysExchanges):
         batch 4) run beside the router's kernels instead of after them. A recompute replays instead."""
         self._sent = None if self._replaying() else (x, self._start_gather(x))
 
-    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _Done:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Done[ExpertBatch]:
         if chunk:
             raise ValueError("all_gather dispatcher: [dispatch] overlap = 'chunks' is not supported (its exchanges "
                              "finish where they start); use overlap = 'none'")
@@ -130,10 +130,10 @@ class AllGatherDispatcher(ReplaysExchanges):
         batch, index = expert_major(gathered_x, local, probs, self.local_experts, self.align, self.kernels,
                                     num_slots=num_slots)
         batch.ctx = index
-        return _Done(batch)
+        return Done(batch)
 
-    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _Done:
-        return _Done(self._combine(y, batch.ctx))
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Done[torch.Tensor]:
+        return Done(self._combine(y, batch.ctx))
 
     # -- the exchanges: outside torch.compile (the transport queues copies and stream waits) ----
 
@@ -193,16 +193,3 @@ class AllGatherDispatcher(ReplaysExchanges):
 
         pending = self.transport.start_reduce_scatter({q: [per_token(q)] for q in range(self.ep_size) if q != self.rank})
         return pending.finish([per_token(self.rank)])[0]
-
-
-class _Done:
-    """A finished exchange, for the seam's start/wait calls."""
-
-    def __init__(self, result):
-        self.result = result
-
-    def send(self) -> None:
-        pass
-
-    def wait(self):
-        return self.result

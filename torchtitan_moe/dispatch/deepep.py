@@ -168,7 +168,7 @@ class _PendingDispatch:
 
     def wait(self) -> ExpertBatch:
         p, d = self.dispatcher, self.d
-        _arrived(d.done)
+        _wait_for_deepep(d.done)
         if p.buffers == "worst_case":  # every received row may carry min(K, E_local) slots of this rank
             num_slots = self.recv_x.shape[0] * min(d.experts.shape[1], p.local_experts)
         else:
@@ -189,12 +189,12 @@ class _PendingCombine:
         pass
 
     def wait(self) -> torch.Tensor:
-        _arrived(self.done)
+        _wait_for_deepep(self.done)
         return self.out
 
 
 @torch.compiler.disable
-def _arrived(done) -> None:
+def _wait_for_deepep(done) -> None:
     """The current stream waits for DeepEP's kernels (done: their event; None: a replay, nothing to wait for)."""
     if done is not None:
         done.current_stream_wait()

@@ -100,7 +100,8 @@ class Dispatcher(Protocol):
 
 
 class Done(Generic[T]):
-    """The handle of a call that finished when it started (EP = 1, gloo, a recompute's replay)."""
+    """The handle of a call that finished when it started (EP = 1, gloo, the all-gather dispatcher, a
+    recompute's replay): every dispatcher's finished call returns this one."""
 
     def __init__(self, value: T):
         self.value = value

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
+from torchtitan_moe.dispatch.backward import with_backward
 from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
 from torchtitan_moe.dispatch.seam import Done, ExpertBatch, Routing, expert_major
@@ -48,46 +49,6 @@ def build_transport(group: dist.ProcessGroup, device: torch.device):
     if device.type != "cuda":
         return CollectiveTransport(group)
     return PeerMemoryTransport(group)  # raises PeerMemoryUnavailable
-
-
-class _AllGather(torch.autograd.Function):
-    """(x [T, D], probs [T, K]) -> every rank's (x [P T, D], probs [P T, K]), gathered outside (or
-    replayed) and passed in `results`; backward: the reduce-scatter of their gradients. By this
-    backward the layer's recompute (if any) is over: what it left of the kept results is dropped (a
-    recompute stops once it has the tensors backward needs, before the combine's exchange)."""
-
-    @staticmethod
-    def forward(ctx, x, probs, transport, results, kept):
-        ctx.transport, ctx.kept = transport, kept
-        ctx.shapes = [(r.shape, r.dtype, r.device) for r in results]
-        ctx.set_materialize_grads(False)
-        return results[0], results[1]
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_probs):
-        ctx.kept.clear()
-        # A collective: every rank sends both, zeros for a gradient it does not have.
-        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                 for g, (shape, dtype, device) in zip((grad_x, grad_probs), ctx.shapes)]
-        dx, dprobs = ctx.transport.reduce_scatter(grads)
-        return dx, dprobs, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """y [N, D] -> this rank's tokens summed over ranks [T, D] (ops.combine, then the reduce-scatter),
-    computed outside (or replayed); backward: the all-gather of the gradient, then combine's backward
-    (a gather of its rows, ops.gather_rows), queued before the transport's next call reuses the inbox."""
-
-    @staticmethod
-    def forward(ctx, y, dispatcher, index, results):
-        ctx.dispatcher, ctx.index = dispatcher, index
-        return results[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        d = ctx.dispatcher
-        (gathered,) = d.transport.all_gather([grad])
-        return ops.gather_rows(gathered, ctx.index, backend=d.kernels), None, None, None
 
 
 class AllGatherDispatcher(ReplaysExchanges):
@@ -153,7 +114,16 @@ class AllGatherDispatcher(ReplaysExchanges):
                 (gathered_x,), (experts, probs) = sent[1].wait(), routed.wait()
             if self.keep_exchanges and torch.is_grad_enabled():  # the inbox is reused: keep copies
                 self._keep((gathered_x.clone(), experts.clone(), probs.clone()))
-        gathered_x, probs = _AllGather.apply(x, routing.probs, self.transport, [gathered_x, probs], self._kept)
+        transport, kept = self.transport, self._kept
+
+        def back(grads, needs):
+            # The all-gather's adjoint: the reduce-scatter of the rows' and probabilities' gradients. By this
+            # backward the layer's recompute (if any) is over: what it left of the kept results is dropped (a
+            # recompute stops once it has the tensors backward needs, before the combine's exchange).
+            kept.clear()
+            return transport.reduce_scatter(grads)
+
+        gathered_x, probs = with_backward([gathered_x, probs], (x, routing.probs), back)
         return gathered_x, experts, probs
 
     def _start_gather(self, x: torch.Tensor):
@@ -181,7 +151,15 @@ class AllGatherDispatcher(ReplaysExchanges):
             with torch.no_grad():
                 out = self._sum_over_ranks(y.detach(), index)
             self._keep(out)
-        return _Combine.apply(y, self, index, [out])
+
+        def back(grads, needs):
+            # The reduce-scatter's adjoint: the all-gather of the gradient, then combine's backward (a gather of
+            # its rows), queued before the transport's next call reuses the inbox.
+            (gathered,) = self.transport.all_gather(grads)
+            return [ops.gather_rows(gathered, index, backend=self.kernels)]
+
+        (out,) = with_backward([out], (y,), back)
+        return out
 
     def _sum_over_ranks(self, y: torch.Tensor, index: ops.RoutingIndex) -> torch.Tensor:
         """This rank's experts' outputs summed per token (ops.combine), the other ranks' tokens first: their

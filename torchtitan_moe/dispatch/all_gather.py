@@ -20,7 +20,7 @@ probabilities' gradients, and the reduce-scatter's the all-gather of the output'
 Every rank must have the same T (training's local batch x seq_len). The expert-major rows are laid out
 for P T min(K, E/P) slots, as DeepEP's and all_to_all's worst-case buffers do. At EP = P > 2 every
 token would still go to every rank, where DeepEP sends it only to the ranks that hold its experts:
-this dispatcher takes EP = 2 only.
+this dispatcher takes EP = 2 only (dispatch/registry.py, which builds it).
 
 On CPU (gloo) the same two calls run on torch.distributed's all_gather (CollectiveTransport).
 Under activation checkpointing the recompute replays the kept results (copies: the all-gather's
@@ -38,14 +38,9 @@ from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryT
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
 from torchtitan_moe.dispatch.seam import Done, ExpertBatch, Routing, expert_major
 
-EP_SIZES = (2,)
-
 
 def build_transport(group: dist.ProcessGroup, device: torch.device):
     """Copy engines on CUDA, torch.distributed's all_gather on CPU."""
-    if dist.get_world_size(group) not in EP_SIZES:
-        raise ValueError(f"[dispatch] backend = 'all_gather' takes EP = 2 (every token goes to every rank), got an "
-                         f"EP group of {dist.get_world_size(group)}; use 'deepep' or 'all_to_all'")
     if device.type != "cuda":
         return CollectiveTransport(group)
     return PeerMemoryTransport(group)  # raises PeerMemoryUnavailable
@@ -59,8 +54,6 @@ class AllGatherDispatcher(ReplaysExchanges):
         super().__init__()
         self.transport = transport
         self.ep_size, self.rank = transport.size, transport.rank
-        if self.ep_size not in EP_SIZES:
-            raise ValueError(f"all_gather dispatcher: EP = {self.ep_size}; it takes EP = 2")
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts = {num_experts} is not divisible by the EP degree {self.ep_size}")
         self.num_experts = num_experts
@@ -78,8 +71,8 @@ class AllGatherDispatcher(ReplaysExchanges):
 
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Done[ExpertBatch]:
         if chunk:
-            raise ValueError("all_gather dispatcher: [dispatch] overlap = 'chunks' is not supported (its exchanges "
-                             "finish where they start); use overlap = 'none'")
+            raise ValueError("all_gather dispatcher: one dispatch per forward (its exchanges finish where they "
+                             "start: no chunked overlap)")
         gathered_x, experts, probs = self._gather(x, routing)
         # This rank's slots: local expert ids, -1 and probability 0 for the other rank's.
         local = experts - self.rank * self.local_experts
@@ -139,8 +132,8 @@ class AllGatherDispatcher(ReplaysExchanges):
         dist.all_gather_object(everyone, tokens, group=self.transport.group)
         if len(set(everyone)) > 1:
             raise ValueError(f"all_gather dispatcher: the EP ranks have {everyone} tokens in this layer; every rank "
-                             "must have as many (local_batch_size x seq_len); use [dispatch] backend = 'all_to_all' "
-                             "or 'deepep' for uneven batches")
+                             "must have as many (local batch x sequence length); the all_to_all and deepep "
+                             "dispatchers take uneven batches")
         self.checked_tokens = tokens
 
     @torch.compiler.disable

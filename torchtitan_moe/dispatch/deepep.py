@@ -70,7 +70,7 @@ class DeepEPDispatcher(ReplaysExchanges):
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _PendingDispatch:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: tokens must be bfloat16 (DeepEP combines bf16 rows), got {x.dtype}; "
-                             "train with [training] mixed_precision_param = 'bfloat16'")
+                             "train in bf16 (FSDP2 mixed precision)")
         if routing.experts.shape[1] > MAX_TOP_K:
             raise ValueError(f"DeepEP dispatcher: top_k = {routing.experts.shape[1]}; DeepEP takes at most {MAX_TOP_K}")
         recv_x, recv_probs, d = self._exchange(x, routing, chunk)
@@ -81,7 +81,7 @@ class DeepEPDispatcher(ReplaysExchanges):
         per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts summed
         if per_row.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: expert outputs must be bfloat16 (DeepEP combines bf16 rows), got "
-                             f"{per_row.dtype}; train with [training] mixed_precision_param = 'bfloat16'")
+                             f"{per_row.dtype}; train in bf16 (FSDP2 mixed precision)")
         return _PendingCombine(*self._exchange_back(per_row, plan.handle))
 
     # -- the exchanges: outside torch.compile (DeepEP is opaque to it and syncs with the host) ----

@@ -99,6 +99,11 @@ class Dispatcher(Protocol):
     def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Pending[torch.Tensor]: ...
 
 
+class Unavailable(RuntimeError):
+    """A dispatcher cannot run on this machine (a library, symmetric memory, peer access missing); the
+    message says why in one line."""
+
+
 class Done(Generic[T]):
     """The handle of a call that finished when it started (EP = 1, gloo, the all-gather dispatcher, a
     recompute's replay): every dispatcher's finished call returns this one."""

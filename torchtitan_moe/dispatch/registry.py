@@ -28,7 +28,7 @@ from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.peer_memory import peers_problem
 from torchtitan_moe.dispatch.seam import BUFFERS, LocalDispatcher
 
-OVERLAPS = ("none", "chunks")  # [dispatch] overlap: "chunks" puts one chunk's exchange under the other's experts
+OVERLAPS = ("none", "chunks")  # "chunks": one chunk's exchange under the other chunk's experts (moe/chunks.py)
 
 
 @dataclass(frozen=True)

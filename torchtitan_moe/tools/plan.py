@@ -200,6 +200,14 @@ def activation_bytes_per_token(shape: Shape, one_process: bool, slots: float) ->
     return attention + router + experts
 
 
+def kept_exchange_bytes(shape: Shape, received: float) -> float:
+    """What one checkpointed MoE layer's dispatcher keeps from its forward for the recompute's replay
+    (dispatch/replay.py), for `received` rows per rank: the dispatch's rows (bf16) with their metadata (the
+    slots' local expert ids and probabilities, 2K fp32), and the combine's rows back (bf16; a rank gets back
+    as many rows as it sent, on average as many as it receives)."""
+    return received * (2 * shape.dim + 8 * shape.top_k + 2 * shape.dim)
+
+
 @dataclass
 class Memory:
     """Bytes per GPU, by part."""
@@ -249,7 +257,7 @@ def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
     per_layer = activation_bytes_per_token(shape, one_process, slots / T) * T
     if layout.ac == "full":  # block inputs kept, one block recomputed at a time; exchanges kept for the replay
         s = 4 if one_process else 2
-        acts = shape.n_layers * (s * D * T + 2 * D * received) + per_layer
+        acts = shape.n_layers * (s * D * T + kept_exchange_bytes(shape, received)) + per_layer
     else:
         acts = shape.n_layers * per_layer
     logits = 2 * T * V  # bf16, overwritten by their gradient, freed at the end of the forward

@@ -1,6 +1,6 @@
 """Break the code on purpose and check that the tests notice: a mutation test of the numerics.
 
-    python scripts/mutation_check.py [--only NAME ...] [--list] [--timeout S]
+    python tests/mutation_check.py [--only NAME ...] [--list] [--timeout S]
 
 Each mutation is a one-line source patch (zero the experts' output, drop the router
 probabilities, swap two experts, halve a gradient, skip the bias update, ...). For each one

@@ -83,8 +83,8 @@ def _random_words(seed, first_group, BLOCK: tl.constexpr):
 
 def adamw_foreach_triton(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds,
                          grad_scale, workings, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
-    """workings: a working copy for every param, or None for every param. block, num_warps: for studies
-    (scripts/study_gate_adamw.py); the op uses the defaults."""
+    """workings: a working copy for every param, or None for every param. block, num_warps: for benchmarks
+    that sweep them; the op uses the defaults."""
     sizes = tuple(p.numel() for p in params)
     if not sum(sizes):
         return

@@ -213,7 +213,8 @@ def test_an_export_hf_cannot_express_is_refused_before_training(flags, what, tmp
         monkeypatch.delenv(name, raising=False)  # restored after: main sets them for a run without torchrun
     dump = tmp_path / "run"
     argv = ["--job.config_file", "configs/debug.toml", "--job.dump_folder", str(dump), "--checkpoint.enable",
-            "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", *flags]
+            "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", *flags,
+            "--training.steps", "1", "--data.workers", "0"]  # short, should it start (in this process)
     assert trainer.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("config error: [checkpoint] last_save_in_hf = true") and what in err[0]

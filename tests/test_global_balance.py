@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 from torchtitan_moe.moe.balance import reduce_step_stats
 
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 2, 12
@@ -24,7 +24,7 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]  # (data-parallel ran
 def make_layer(recipe: str) -> MoE:
     torch.manual_seed(0)  # the same weights on every rank and layout
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding="none", kernels="torch",
-                        balance_loss=recipe, balance_loss_coeff=COEFF, z_loss_coeff=Z_COEFF), DIM)
+                        router=RouterOptions(balance_loss=recipe, balance_loss_coeff=COEFF, z_loss_coeff=Z_COEFF)), DIM)
     layer.init_weights(out_std=0.1)
     layer.router.gate.weight.data.normal_(std=0.5)
     return layer

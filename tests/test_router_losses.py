@@ -12,7 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from torchtitan_moe.models.qwen3_moe.parallelize import compile_router
-from torchtitan_moe.moe import MoE, MoEArgs, Router
+from torchtitan_moe.moe import MoE, MoEArgs, Router, RouterOptions
 from torchtitan_moe.moe.balance import reduce_step_stats
 from torchtitan_moe.moe.router import balanced_experts, group_limited_topk
 from torchtitan_moe.moe.router_losses import balance_loss, sequence_balance_loss
@@ -59,7 +59,7 @@ def ref_z_loss(logits):
 
 def make_router(seed=0, **kwargs):
     torch.manual_seed(seed)
-    router = Router(DIM, EXPERTS, TOP_K, **kwargs)
+    router = Router(DIM, EXPERTS, TOP_K, RouterOptions(**kwargs))
     router.init_weights()
     router.gate.weight.data.normal_(std=0.5)  # decisive routing: no near-ties in top-k
     return router
@@ -169,7 +169,8 @@ def test_no_losses_in_eval_or_without_grad_and_no_counts_either():
 
 def make_layer(seed=0, **router):
     torch.manual_seed(seed)
-    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=12, padding="none", kernels="torch", **router), DIM)
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=12, padding="none", kernels="torch",
+                        router=RouterOptions(**router)), DIM)
     layer.init_weights(out_std=0.1)
     layer.router.gate.weight.data.normal_(std=0.5)
     return layer
@@ -282,7 +283,7 @@ def test_group_limited_routing_matches_the_definition_and_stays_in_its_groups(
 
 def test_router_with_groups_routes_inside_them_and_limits_groups_per_token():
     torch.manual_seed(5)
-    router = Router(DIM, 16, 4, score_func="sigmoid", n_groups=4, topk_groups=2)
+    router = Router(DIM, 16, 4, RouterOptions(score_func="sigmoid", n_groups=4, topk_groups=2))
     router.init_weights()
     router.gate.weight.data.normal_(std=0.5)
     router.expert_bias.copy_(torch.randn(16) * 0.1)
@@ -294,7 +295,7 @@ def test_router_with_groups_routes_inside_them_and_limits_groups_per_token():
     groups_used = [len({e // 4 for e in row}) for row in routing.experts.tolist()]
     assert max(groups_used) == 2 and min(groups_used) >= 1
     # Without the limit some tokens would use more than 2 groups: the limit is doing something.
-    free = Router(DIM, 16, 4, score_func="sigmoid")
+    free = Router(DIM, 16, 4, RouterOptions(score_func="sigmoid"))
     free.load_state_dict(router.state_dict())
     assert max(len({e // 4 for e in row}) for row in free(x).experts.tolist()) > 2
 
@@ -314,5 +315,5 @@ def test_router_with_groups_routes_inside_them_and_limits_groups_per_token():
 )
 def test_bad_router_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as err:
-        Router(DIM, EXPERTS, TOP_K, **kwargs)
+        Router(DIM, EXPERTS, TOP_K, RouterOptions(**kwargs))
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -5,6 +5,9 @@ torchtitan merges `JobConfig` below into its own (``job.custom_config_module =
 "torchtitan_moe.config.sections"``, which our entry points add by themselves), so these sections
 live in the same TOML file and take the same ``--section.key value`` overrides.
 
+[moe] and [router] are the MoE layer's settings as moe/options.py declares them, redeclared here only
+where a run's default differs from a bare layer's; `moe_args` turns them into the layers' args.
+
 Every problem is reported as one `ConfigError` line that names the key and what is allowed.
 This module imports nothing from torchtitan: the merged config class is passed in. No
 `from __future__ import annotations` here: torchtitan and the checks read real field types.
@@ -12,8 +15,11 @@ This module imports nothing from torchtitan: the merged config class is passed i
 
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
+
+from torchtitan_moe.moe.options import MoEArgs, MoEOptions, RouterOptions
+from torchtitan_moe.moe.router_losses import BalanceLoss
 
 ALIGNMENTS = (8, 16, 32)
 MODEL_NAMES = ("qwen3_moe", "torchtitan_qwen3_moe")
@@ -29,8 +35,11 @@ REPLACED_KEYS = {
 }
 
 
+# [moe] and [router]: moe/options.py's, with a run's defaults. No class docstrings: --help would print them.
+
+
 @dataclass
-class Moe:
+class Moe(MoEOptions):  # the shape defaults to the model flavor's
     num_experts: int | None = None
     """Routed experts per MoE layer (default: the model flavor's)."""
 
@@ -40,57 +49,25 @@ class Moe:
     inter_dim: int | None = None
     """Hidden size of each expert (default: the model flavor's)."""
 
-    padding: Literal["none", "auto", "always"] = "auto"
-    """Pad each expert's rows for torch._grouped_mm: 'auto' pads only where the GPU needs it
-    (compute capability 10.x gives empty groups wrong weight gradients), 'always', 'none'."""
-
-    align: int = 8
-    """Row alignment of each expert's group when padding (8, 16 or 32)."""
-
 
 @dataclass
-class Router:
+class Router(RouterOptions):  # the flavor's scores unless set, and Qwen3's balancing recipe
     score_func: Literal["softmax", "sigmoid"] | None = None
     """Score function over the gate logits (default: the model flavor's)."""
 
     route_norm: bool | None = None
     """Renormalize the top-k probabilities to sum to 1 (default: the model flavor's)."""
 
-    route_scale: float = 1.0
-    """Multiplier on the top-k probabilities."""
-
-    init_std: float = 0.02
-    """Std of the gate's truncated-normal init. 0 reproduces a zero-initialized gate."""
-
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off, the default:
     Hugging Face's Qwen3-MoE has no expert bias, so a model trained with one does not export as trained)."""
 
-    balance_loss: Literal["none", "sequence", "micro_batch", "global_batch"] = "global_batch"
-    """Load-balance loss sum_e f_e P_e (1 when balanced), f and P counted per 'sequence' (DeepSeek-V3),
-    per 'micro_batch' (Switch, GShard) or f over the 'global_batch' (Qwen3: all data-parallel ranks and
-    the step's micro-batches so far, one all-reduce of E counts per layer)."""
+    balance_loss: BalanceLoss = "global_batch"
 
     balance_loss_coeff: float = 1e-3
     """Each MoE layer adds coeff x its balance loss (Megatron-LM, DeepSeek-V3); > 0 exactly when
     balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale. The
     defaults (global_batch, 1e-3, no expert bias) are Qwen3's recipe, as the shipped configs train."""
-
-    z_loss_coeff: float = 0.0
-    """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE, OLMoE: 1e-3; 0: off)."""
-
-    n_groups: int = 1
-    """Group-limited routing (DeepSeek-V3): the experts split into this many groups (1: off)."""
-
-    topk_groups: int = 1
-    """Groups a token may use, ranked by the sum of their best top_k // topk_groups choice scores."""
-
-    force_balance: bool = False
-    """Ignore the scores and send tokens round-robin over experts (benchmarks only)."""
-
-    gate_precision: Literal["float32", "param"] = "float32"
-    """The gate's matrix product: 'float32' from fp32 weights (its own FSDP2 group), or 'param':
-    in [training] mixed_precision_param, as torchtitan's Qwen3 does (scores in fp32 either way)."""
 
 
 @dataclass
@@ -235,6 +212,18 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     training: Training = field(default_factory=Training)
+
+
+def moe_args(cfg: Any, flavor: MoEArgs) -> MoEArgs:
+    """The MoE layers' args in a run: the model flavor's, with every [moe] and [router] key the config sets
+    (a key left unset, None, keeps the flavor's), [kernels] backend and [training] mixed_precision_param."""
+    router = replace(flavor.router, **_set_keys(cfg.router))
+    return replace(flavor, **_set_keys(cfg.moe), kernels=cfg.kernels.backend,
+                   param_dtype=cfg.training.mixed_precision_param, router=router)
+
+
+def _set_keys(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in fields(section) if getattr(section, f.name) is not None}
 
 
 # ---------------------------------------------------------------------------------------

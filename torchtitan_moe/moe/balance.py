@@ -52,8 +52,9 @@ def update_expert_bias(layers: list[MoE], loads: torch.Tensor) -> None:
     """loads [L, E]. No host sync: a layer that saw no tokens gets sign(0 - 0) = 0, no change."""
     signs = torch.sign(loads.mean(dim=1, keepdim=True) - loads).float()
     for layer, sign in zip(layers, signs):
-        if layer.bias_update_rate:
-            delta = layer.bias_update_rate * sign
+        rate = layer.router.options.bias_update_rate
+        if rate:
+            delta = rate * sign
             layer.router.expert_bias.add_(delta - delta.mean())
 
 

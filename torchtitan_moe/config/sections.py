@@ -18,10 +18,9 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from torchtitan_moe.moe.options import MoEArgs, MoEOptions, RouterOptions
+from torchtitan_moe.moe.options import MoEArgs, MoEOptions, RouterOptions, moe_problem
 from torchtitan_moe.moe.router_losses import BalanceLoss
 
-ALIGNMENTS = (8, 16, 32)
 MODEL_NAMES = ("qwen3_moe", "torchtitan_qwen3_moe")
 
 
@@ -236,9 +235,14 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise ConfigError(problem)
+
+
 def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = None) -> None:
-    """Check combinations that cannot train. `flavors` maps flavor names to model args
-    (anything with `.moe.num_experts` and `.moe.top_k`)."""
+    """Check combinations that cannot train. `flavors` maps flavor names to model args (their `.moe`,
+    MoEArgs, is what [moe] and [router] update: the MoE layers' args are checked as the layers check them)."""
     _need(
         cfg.model.name in MODEL_NAMES,
         f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "
@@ -253,21 +257,10 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
           f"{cfg.model.name!r} starts from its own init ('own')")
     _need(cfg.model.init_from == "own" or cfg.debug.seed is not None,
           "[model] init_from = 'qwen3_moe' needs [debug] seed: our init draws from it (unset, every run differs)")
-    args = flavors[cfg.model.flavor].moe
-    moe, router, par = cfg.moe, cfg.router, cfg.parallelism
-    num_experts = moe.num_experts if moe.num_experts is not None else args.num_experts
-    top_k = moe.top_k if moe.top_k is not None else args.top_k
-
-    _need(num_experts >= 1, f"[moe] num_experts = {num_experts}: must be >= 1")
-    _need(1 <= top_k <= num_experts, f"[moe] top_k = {top_k}: must be in 1..num_experts ({num_experts})")
-    _need(moe.inter_dim is None or moe.inter_dim >= 1, f"[moe] inter_dim = {moe.inter_dim}: must be >= 1")
-    _need(moe.align in ALIGNMENTS, f"[moe] align = {moe.align}: must be one of 8, 16, 32")
-    _need(router.init_std >= 0, f"[router] init_std = {router.init_std}: must be >= 0")
-    _need(router.route_scale > 0, f"[router] route_scale = {router.route_scale}: must be > 0")
-    _need(router.bias_update_rate >= 0, f"[router] bias_update_rate = {router.bias_update_rate}: must be >= 0 (0: off)")
+    layer = moe_args(cfg, flavors[cfg.model.flavor].moe)
+    num_experts, top_k, router, par = layer.num_experts, layer.top_k, cfg.router, cfg.parallelism
+    _refuse(moe_problem(layer, config_key))
     _need(cfg.metrics.peak_tflops >= 0, f"[metrics] peak_tflops = {cfg.metrics.peak_tflops}: must be >= 0 (0: from the GPU)")
-    check_router_losses(router)
-    check_groups(router, num_experts, top_k)
     _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
 
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
@@ -411,37 +404,6 @@ def check_dispatch(cfg: Any, ep: int) -> None:
           f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
 
 
-def check_router_losses(router: Any) -> None:
-    loss, coeff = router.balance_loss, router.balance_loss_coeff
-    _need(coeff >= 0, f"[router] balance_loss_coeff = {coeff}: must be >= 0")
-    _need(
-        not (loss != "none" and coeff == 0),
-        f"[router] balance_loss = {loss!r} needs balance_loss_coeff > 0 (e.g. 1e-3); 'none' turns it off",
-    )
-    _need(
-        not (loss == "none" and coeff > 0),
-        f"[router] balance_loss_coeff = {coeff} has no loss to weigh: set balance_loss (e.g. 'global_batch') or 0",
-    )
-    _need(router.z_loss_coeff >= 0, f"[router] z_loss_coeff = {router.z_loss_coeff}: must be >= 0 (0: off)")
-
-
-def check_groups(router: Any, num_experts: int, top_k: int) -> None:
-    groups, topk_groups = router.n_groups, router.topk_groups
-    _need(groups >= 1, f"[router] n_groups = {groups}: must be >= 1 (1: no groups)")
-    _need(num_experts % groups == 0, f"[router] n_groups = {groups}: must divide [moe] num_experts ({num_experts})")
-    _need(1 <= topk_groups <= groups, f"[router] topk_groups = {topk_groups}: must be in 1..n_groups ({groups})")
-    if groups == 1:
-        return
-    per_group = num_experts // groups
-    _need(
-        top_k <= topk_groups * per_group,
-        f"[moe] top_k = {top_k}: more than topk_groups x experts per group ({topk_groups} x {per_group})",
-    )
-    _need(
-        topk_groups <= top_k,
-        f"[router] topk_groups = {topk_groups}: more than top_k ({top_k}) groups cannot all be used",
-    )
-    _need(
-        not router.force_balance,
-        "[router] force_balance sends tokens round-robin over all experts: it needs n_groups = 1",
-    )
+def config_key(key: str) -> str:
+    """A key of the MoE layer's settings (moe/options.py) in the config's words: '[router] n_groups', '[moe] top_k'."""
+    return f"[router] {key}" if key in {f.name for f in fields(RouterOptions)} else f"[moe] {key}"

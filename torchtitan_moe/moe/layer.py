@@ -23,7 +23,7 @@ from torch import nn
 
 from torchtitan_moe.moe.chunks import chunked_forward
 from torchtitan_moe.moe.experts import GroupedExperts, autocast_dtype
-from torchtitan_moe.moe.options import MoEArgs
+from torchtitan_moe.moe.options import MoEArgs, moe_problem
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
 from torchtitan_moe.dispatch.seam import LocalDispatcher, recomputing
@@ -67,6 +67,9 @@ class MoE(nn.Module):
 
     def __init__(self, args: MoEArgs, dim: int):
         super().__init__()
+        problem = moe_problem(args)
+        if problem:
+            raise ValueError(problem)
         self.args = args
         self.num_experts = args.num_experts
         self.router = Router(dim, args.num_experts, args.top_k, args.router, param_dtype=getattr(torch, args.param_dtype))

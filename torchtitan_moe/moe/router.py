@@ -23,9 +23,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_moe import ops
-from torchtitan_moe.moe.options import RouterOptions
+from torchtitan_moe.moe.options import RouterOptions, router_problem
 from torchtitan_moe.moe.router_losses import (
-    BALANCE_LOSSES,
     add_global_counts,
     balance_loss,
     sequence_balance_loss,
@@ -45,21 +44,9 @@ class Router(nn.Module):
         dtype where options.gate_precision = 'param' (the training's mixed_precision_param)."""
         super().__init__()
         options = RouterOptions() if options is None else options
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k = {top_k}: must be in 1..num_experts ({num_experts})")
-        if options.score_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"score_func = {options.score_func!r}: expected 'softmax' or 'sigmoid'")
-        balance_loss, balance_loss_coeff = options.balance_loss, options.balance_loss_coeff
-        if balance_loss not in BALANCE_LOSSES:
-            raise ValueError(f"balance_loss = {balance_loss!r}: expected one of {', '.join(BALANCE_LOSSES)}")
-        if (balance_loss == "none") != (balance_loss_coeff == 0) or balance_loss_coeff < 0:
-            raise ValueError(f"balance_loss_coeff = {balance_loss_coeff}: must be > 0 with balance_loss = "
-                             f"{balance_loss!r}, 0 with 'none'")
-        if options.z_loss_coeff < 0:
-            raise ValueError(f"z_loss_coeff = {options.z_loss_coeff}: must be >= 0 (0: off)")
-        check_groups(num_experts, top_k, options.n_groups, options.topk_groups)
-        if options.force_balance and options.n_groups > 1:
-            raise ValueError("force_balance sends tokens round-robin over all experts: it needs n_groups = 1")
+        problem = router_problem(options, num_experts, top_k)
+        if problem:
+            raise ValueError(problem)
         self.num_experts = num_experts
         self.top_k = top_k
         self.options = options
@@ -156,19 +143,6 @@ class Router(nn.Module):
                 "set Router.balance_group (moe.balance.register_balancing_hook does)"
             )
         return balance_loss(scores, add_global_counts(self.global_counts, tokens_per_expert, self.balance_group))
-
-
-def check_groups(num_experts: int, top_k: int, n_groups: int, topk_groups: int) -> None:
-    """Group-limited routing's arguments, each problem in one line."""
-    if n_groups < 1 or num_experts % n_groups:
-        raise ValueError(f"n_groups = {n_groups}: must divide num_experts ({num_experts})")
-    if not 1 <= topk_groups <= n_groups:
-        raise ValueError(f"topk_groups = {topk_groups}: must be in 1..n_groups ({n_groups})")
-    if n_groups > 1 and not topk_groups <= top_k <= topk_groups * (num_experts // n_groups):
-        raise ValueError(
-            f"top_k = {top_k}: group-limited routing needs topk_groups ({topk_groups}) <= top_k <= "
-            f"topk_groups x experts per group ({topk_groups * (num_experts // n_groups)})"
-        )
 
 
 def group_limited_topk(choice: torch.Tensor, top_k: int, n_groups: int, topk_groups: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
-from torchtitan_moe.moe.balance import reduce_step_stats
+from torchtitan_moe.moe.balance import reduce_step_stats, set_aux_loss_scale
 
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 2, 12
 SEQS, SEQ_LEN, MICRO_BATCHES = 8, 6, 2  # one global micro-batch: 8 sequences, on every layout
@@ -48,7 +48,7 @@ def run_layout(recipe: str, dp: int, ep: int, rank: int, groups: dict) -> tuple[
         layer.experts.w13 = torch.nn.Parameter(layer.experts.w13.detach()[mine].clone())
         layer.experts.w2 = torch.nn.Parameter(layer.experts.w2.detach()[mine].clone())
         layer.set_dispatcher(AllToAllDispatcher(EXPERTS, ep_group, align=8, kernels="torch"))
-    MoE.aux_loss_scale = 1.0 / (MICRO_BATCHES * dp)  # as the trainer sets it
+    set_aux_loss_scale([layer], 1.0 / (MICRO_BATCHES * dp))  # as the trainer does
     share = SEQS // dp
     for batch in global_batches():
         out = layer(batch[rank * share : (rank + 1) * share])

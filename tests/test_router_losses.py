@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from torchtitan_moe.models.qwen3_moe.parallelize import compile_router
 from torchtitan_moe.moe import MoE, MoEArgs, Router, RouterOptions
-from torchtitan_moe.moe.balance import reduce_step_stats
+from torchtitan_moe.moe.balance import reduce_step_stats, set_aux_loss_scale
 from torchtitan_moe.moe.router import balanced_experts, group_limited_topk
 from torchtitan_moe.moe.router_losses import balance_loss, sequence_balance_loss
 
@@ -180,40 +180,37 @@ def test_global_batch_counts_the_step_so_far_and_starts_each_step_afresh():
     """Micro-batch m's f counts micro-batches 1..m of the step; the step hook empties the buffer."""
     coeff, micro_batches = 0.05, 3
     layer = make_layer(balance_loss="global_batch", balance_loss_coeff=coeff)
-    MoE.aux_loss_scale = 1 / micro_batches
-    try:
-        xs = [torch.randn(2, 5, DIM) for _ in range(micro_batches + 1)]
-        with torch.no_grad():
-            experts = [layer.router(x.reshape(-1, DIM)).experts for x in xs]
-        values = []
-        for x in xs[:micro_batches]:
-            (layer(x) * 0).sum().backward()  # the gate's gradient is the balance loss's alone
-        gate_grad = layer.router.gate.weight.grad.clone()
-        assert layer.router.global_counts.tolist() == torch.bincount(
-            torch.cat(experts[:micro_batches]).flatten(), minlength=EXPERTS).tolist()
-        reduce_step_stats([layer], group=None)
-        values.append(float(layer.last_router_losses[0]))
+    set_aux_loss_scale([layer], 1 / micro_batches)  # as the trainer does
+    xs = [torch.randn(2, 5, DIM) for _ in range(micro_batches + 1)]
+    with torch.no_grad():
+        experts = [layer.router(x.reshape(-1, DIM)).experts for x in xs]
+    values = []
+    for x in xs[:micro_batches]:
+        (layer(x) * 0).sum().backward()  # the gate's gradient is the balance loss's alone
+    gate_grad = layer.router.gate.weight.grad.clone()
+    assert layer.router.global_counts.tolist() == torch.bincount(
+        torch.cat(experts[:micro_batches]).flatten(), minlength=EXPERTS).tolist()
+    reduce_step_stats([layer], group=None)
+    values.append(float(layer.last_router_losses[0]))
 
-        def objective(x64, weight):
-            total = 0.0
-            for m in range(micro_batches):
-                seen = torch.cat(experts[: m + 1])
-                f = ref_f(seen, EXPERTS, TOP_K, len(seen))
-                p = ref_p(ref_logits_scores(xs[m].reshape(-1, DIM).double(), weight, "softmax")[1])
-                total = total + (f * p).sum() / micro_batches
-            return total
+    def objective(x64, weight):
+        total = 0.0
+        for m in range(micro_batches):
+            seen = torch.cat(experts[: m + 1])
+            f = ref_f(seen, EXPERTS, TOP_K, len(seen))
+            p = ref_p(ref_logits_scores(xs[m].reshape(-1, DIM).double(), weight, "softmax")[1])
+            total = total + (f * p).sum() / micro_batches
+        return total
 
-        ref, ref_gate, _ = ref_grads(objective, layer.router, xs[0].reshape(-1, DIM))
-        assert values[0] == pytest.approx(float(ref), rel=1e-6)  # the logged mean over micro-batches
-        torch.testing.assert_close(gate_grad.double(), coeff * ref_gate, rtol=1e-5, atol=1e-9)
+    ref, ref_gate, _ = ref_grads(objective, layer.router, xs[0].reshape(-1, DIM))
+    assert values[0] == pytest.approx(float(ref), rel=1e-6)  # the logged mean over micro-batches
+    torch.testing.assert_close(gate_grad.double(), coeff * ref_gate, rtol=1e-5, atol=1e-9)
 
-        # The next step's first micro-batch counts itself alone: its loss is the micro-batch one.
-        assert layer.router.global_counts.sum() == 0
-        routing = layer.router(xs[-1].reshape(-1, DIM))
-        assert routing.balance_loss.item() == pytest.approx(
-            float(balance_loss(routing.scores, routing.tokens_per_expert)), rel=1e-6)
-    finally:
-        MoE.aux_loss_scale = 1.0
+    # The next step's first micro-batch counts itself alone: its loss is the micro-batch one.
+    assert layer.router.global_counts.sum() == 0
+    routing = layer.router(xs[-1].reshape(-1, DIM))
+    assert routing.balance_loss.item() == pytest.approx(
+        float(balance_loss(routing.scores, routing.tokens_per_expert)), rel=1e-6)
 
 
 @pytest.mark.parametrize("compiled", [False, True])

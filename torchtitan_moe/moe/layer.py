@@ -58,10 +58,6 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    # Weight of each micro-batch's aux loss in the global objective: 1 / (micro-batches per
-    # step x data-parallel ranks), so that the summed gradients are those of the mean.
-    # Set once by the trainer; 1.0 for a single process without gradient accumulation.
-    aux_loss_scale: float = 1.0
     # [dispatch] overlap: "none", or "chunks" (moe/chunks.py). Set by parallelization with the dispatcher.
     overlap: str = "none"
 
@@ -75,6 +71,10 @@ class MoE(nn.Module):
         self.router = Router(dim, args.num_experts, args.top_k, args.router, param_dtype=getattr(torch, args.param_dtype))
         self.experts = GroupedExperts(dim, args.inter_dim, args.num_experts)
         self.dispatcher = None  # built on first use for the device (or set by parallelize)
+        # Weight of each micro-batch's aux loss in the global objective: 1 / (micro-batches per step x
+        # data-parallel ranks), so that the summed gradients are those of the mean. The trainer sets it
+        # (moe.balance.set_aux_loss_scale); 1.0 for a single process without gradient accumulation.
+        self.aux_loss_scale = 1.0
         # The last optimizer step's statistics over all ranks, set by moe/balance.py.
         self.last_tokens_per_expert: torch.Tensor | None = None  # [E] int64
         self.last_router_losses: torch.Tensor | None = None  # [2] fp64: balance loss, z-loss

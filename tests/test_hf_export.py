@@ -210,7 +210,8 @@ def test_an_export_hf_cannot_express_is_refused_before_training(flags, what, tmp
     from torchtitan_moe.train import trainer
 
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)  # restored after: main sets them for a run without torchrun
+        monkeypatch.setenv(name, "")  # recorded, so that what main sets for a run without torchrun is undone after
+        monkeypatch.delenv(name)
     dump = tmp_path / "run"
     argv = ["--job.config_file", "configs/debug.toml", "--job.dump_folder", str(dump), "--checkpoint.enable",
             "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only", *flags,

@@ -49,6 +49,7 @@ import math
 import sys
 from dataclasses import dataclass
 
+from torchtitan_moe.components.flops import flops_per_token
 from torchtitan_moe.config.sections import ConfigError
 
 GIB = 1024**3
@@ -132,10 +133,16 @@ class Shape:
     def params(self) -> int:
         return 2 * self.vocab * self.dim + self.n_layers * self.layer_params + self.dim
 
-    def flops_per_token(self, seq: int) -> float:
-        """Training FLOPs per token as the trainer counts them (args.get_nparams_and_flops)."""
-        active = self.params - self.vocab * self.dim - self.n_layers * self.expert_params * (1 - self.top_k / self.experts)
-        return 6 * active + 12 * self.n_layers * self.n_heads * self.head_dim * seq
+    @property
+    def active_params(self) -> int:
+        """Parameters a token meets, without the input embedding: the experts' top_k / experts share."""
+        return (self.params - self.vocab * self.dim
+                - self.n_layers * self.expert_params * (self.experts - self.top_k) // self.experts)
+
+    def flops_per_token(self, seq: int, causal: bool = False) -> float:
+        """Training FLOPs per token as the trainer counts them (args.get_nparams_and_flops), or the causal count
+        (components/flops.py)."""
+        return flops_per_token(self.active_params, self.n_layers, self.n_heads, self.head_dim, seq, causal)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from torchtitan_moe.components.flops import flops_per_token
 from torchtitan_moe.moe.layer import MoE, MoEArgs
 from torchtitan_moe.compat.torchtitan import BaseModelArgs
 
@@ -57,15 +58,14 @@ class Qwen3MoEArgs(BaseModelArgs):
         )
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Total parameters and training FLOPs per token (6 x active non-embedding params
-        + attention scores and values: 12 x layers x heads x head_dim x seq_len)."""
+        """Total parameters and training FLOPs per token in torchtitan's count (components/flops.py: 6 x active
+        non-embedding params + attention scores and values, 12 x layers x heads x head_dim x seq_len)."""
         total = sum(p.numel() for p in model.parameters())
         embedding = sum(p.numel() for p in model.tok_embeddings.parameters())
         experts = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
         active_experts = experts * self.moe.top_k // self.moe.num_experts
         active = total - embedding - experts + active_experts
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return total, 6 * active + attention
+        return total, flops_per_token(active, self.n_layers, self.n_heads, self.head_dim, seq_len)
 
 
 FLAVORS: dict[str, Qwen3MoEArgs] = {

@@ -41,7 +41,7 @@ out=$(cd "$out" && pwd)
 summary=$out/summary.md
 {
     echo "# Full model, 4 GPUs: $(git rev-parse --short HEAD 2>/dev/null)"
-    "$py" -c "import torch, torchtitan; print(torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| torchtitan', torchtitan.__version__)" 2>&1
+    "$py" -c "import torch, torchtitan; print(torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| torchtitan', torchtitan.__version__)" 2>&1 | tail -n 1
     echo
     "$py" -m torchtitan_moe.tools.plan "$config" --nodes 1 --gpus-per-node "$nproc" --breakdown "${extra[@]}" 2>&1
 } > "$summary"

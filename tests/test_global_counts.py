@@ -26,7 +26,8 @@ from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.seam import recomputing
 from torchtitan_moe.models.qwen3_moe.parallelize import compile_router
 from torchtitan_moe.moe import MoE, MoEArgs
-from torchtitan_moe.moe.balance import reduce_step_stats, register_balancing_hook
+from torchtitan_moe.moe.balance import reduce_step_stats, register_balancing_hook, set_aux_loss_scale
+from torchtitan_moe.moe.options import RouterOptions
 from torchtitan_moe.moe.router_losses import balance_loss
 
 DIM, EXPERTS, TOP_K, INTER, LAYERS, MICRO_BATCHES = 16, 8, 2, 12, 3, 2
@@ -39,8 +40,8 @@ class Stack(nn.Module):
         torch.manual_seed(0)  # the same weights on both ranks and in both ways
         self.layers = nn.ModuleList(
             MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding="none", kernels="torch",
-                        bias_update_rate=0.0, balance_loss="global_batch", balance_loss_coeff=0.05,
-                        z_loss_coeff=0.002), DIM)
+                        router=RouterOptions(bias_update_rate=0.0, balance_loss="global_batch",
+                                             balance_loss_coeff=0.05, z_loss_coeff=0.002)), DIM)
             for _ in range(LAYERS))
         for layer in self.layers:
             layer.init_weights(out_std=0.1)
@@ -84,7 +85,7 @@ def run(variant: str, per_layer: bool, rank: int, calls: list) -> dict[str, torc
             layer.router.global_balance_loss = types.MethodType(per_layer_loss, layer.router)
         if "compiled" in variant:
             compile_router(layer.router, "aot_eager")
-    MoE.aux_loss_scale = 1.0 / (MICRO_BATCHES * dist.get_world_size())
+    set_aux_loss_scale(list(model.layers), 1.0 / (MICRO_BATCHES * dist.get_world_size()))  # as the trainer does
     torch.manual_seed(10 + rank)  # different tokens on each rank
     batches = [torch.randn(2, 5, DIM) for _ in range(MICRO_BATCHES)]
     targets = [torch.randn(2, 5, DIM) for _ in range(MICRO_BATCHES)]
@@ -115,20 +116,17 @@ def worker(rank: int, world: int, port: int, failures) -> None:
     with rank_group(rank, world, port, failures):
         calls: list = []
         count_all_reduces(calls)
-        try:
-            for variant in VARIANTS:
-                torch._dynamo.reset()
-                ours, theirs = run(variant, False, rank, calls), run(variant, True, rank, calls)
-                backwards = 1 if variant == "two forwards" else MICRO_BATCHES
-                assert int(ours.pop("reductions")) == backwards, (variant, "one all-reduce a micro-batch")
-                assert int(theirs.pop("reductions")) == MICRO_BATCHES * LAYERS, (variant, "the counter counts")
-                for name, expected in theirs.items():
-                    assert torch.equal(ours[name], expected), (rank, variant, name, ours[name], expected)
-                assert torch.isfinite(ours["logged losses 0"]).all()
-                assert ours["logged tokens 0"].sum() == world * MICRO_BATCHES * 10 * TOP_K  # every rank's slots
-            check_a_router_alone(rank)
-        finally:
-            MoE.aux_loss_scale = 1.0
+        for variant in VARIANTS:
+            torch._dynamo.reset()
+            ours, theirs = run(variant, False, rank, calls), run(variant, True, rank, calls)
+            backwards = 1 if variant == "two forwards" else MICRO_BATCHES
+            assert int(ours.pop("reductions")) == backwards, (variant, "one all-reduce a micro-batch")
+            assert int(theirs.pop("reductions")) == MICRO_BATCHES * LAYERS, (variant, "the counter counts")
+            for name, expected in theirs.items():
+                assert torch.equal(ours[name], expected), (rank, variant, name, ours[name], expected)
+            assert torch.isfinite(ours["logged losses 0"]).all()
+            assert ours["logged tokens 0"].sum() == world * MICRO_BATCHES * 10 * TOP_K  # every rank's slots
+        check_a_router_alone(rank)
 
 
 def check_a_router_alone(rank: int) -> None:

@@ -203,6 +203,7 @@ def test_the_mixture_holds_each_weight_in_every_stretch_of_the_stream():
 
 
 def test_samples_are_windows_of_the_stream_with_positions_restarting_at_each_document(tmp_path):
+    # The first token's position is 0 even inside a document: every position is below seq_len (RoPE's table).
     src = make_source(tmp_path, "src", corpus(60))
     shards = sorted(os.path.join(src, n) for n in os.listdir(src) if n.endswith(".bin"))
     flat = stream(shards)
@@ -212,8 +213,9 @@ def test_samples_are_windows_of_the_stream_with_positions_restarting_at_each_doc
     for w in range(source.num_windows):
         tokens, positions = source.window(w, 2048)
         assert tokens.tolist() == flat[w * 16:w * 16 + 17].tolist()
-        at = np.arange(w * 16, w * 16 + 17)
-        assert positions.tolist() == (at - index[np.searchsorted(index, at, side="right") - 1]).tolist()
+        at = np.arange(w * 16, w * 16 + 17)  # counted from the document's start, or from the window's
+        starts = np.maximum(index[np.searchsorted(index, at, side="right") - 1], w * 16)
+        assert positions.tolist() == (at - starts).tolist()
     loader = build_dataloader(1, 0, TOK, job(src, attention="document"), vocab_size=2048)
     (inputs, labels), = batches(loader, 1)
     assert torch.equal(inputs["input"][:, 1:], labels[:, :-1]) and inputs["positions"].shape == (2, 16)

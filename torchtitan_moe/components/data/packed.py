@@ -8,7 +8,9 @@ r + 2R, ... Batch b of a rank is its samples [b·B, (b + 1)·B): with W DataLoad
 batches w, w + W, ... (the DataLoader takes them in turn), so the stream is the same with any W.
 
 With [data] attention = "document", each sample also carries `positions` [S]: each token's place in its
-document (0 where a document starts); the model masks attention and restarts RoPE there.
+document, counted from the sample's first token for the document the sample starts inside (Megatron's
+reset_position_ids: every position < S, within RoPE's table); 0 marks where the model's mask starts a new
+document and RoPE restarts (RoPE's scores depend on distances only: the restart changes rounding alone).
 """
 
 from __future__ import annotations
@@ -60,9 +62,9 @@ class Source:
         self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
 
     def window(self, w: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
-        """Window w: tokens [S + 1] int64 and each token's position in its document [S + 1]."""
+        """Window w: tokens [S + 1] int64 and each token's position in its document [S + 1] (see above)."""
         start, length = w * self.seq_len, self.seq_len + 1
-        tokens, doc_starts, first_position = [], [], None
+        tokens, doc_starts = [], [np.array([0])]
         at, i = start, int(np.searchsorted(self.starts, start, side="right")) - 1
         while at < start + length:
             shard = self.shards[i]
@@ -73,17 +75,12 @@ class Source:
             tokens.append(piece)
             index = shard.doc_index
             d = int(np.searchsorted(index, lo, side="right")) - 1  # the document holding token lo
-            if first_position is None:
-                first_position = lo - int(index[d])
             inside = np.asarray(index[d + 1 : np.searchsorted(index, hi, side="left")])  # starts in (lo, hi)
-            doc_starts.append(inside - lo + (at - start))
-            if at > start:  # a shard begins with a document
-                doc_starts.append(np.array([at - start]))
+            doc_starts += [np.array([at - start]), inside - lo + (at - start)]  # a shard begins with a document
             at += hi - lo
             i += 1
         tokens = np.concatenate(tokens).astype(np.int64)
-        anchors = np.concatenate([[-first_position], *doc_starts])  # where each token's document starts
-        anchors.sort()
+        anchors = np.unique(np.concatenate(doc_starts))  # where each token's document starts (sorted)
         idx = np.arange(length)
         positions = idx - anchors[np.searchsorted(anchors, idx, side="right") - 1]
         return tokens, positions

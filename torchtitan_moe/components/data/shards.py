@@ -119,11 +119,13 @@ def read_header(path: str) -> tuple[dict, int]:
             text = f.read(length)
     except OSError as e:
         raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+    if len(text) < length:
+        raise DataError(f"{path}: truncated: {size} bytes, shorter than its own header ({16 + length} bytes); "
+                        "prepare it again")
     try:
         header = json.loads(text)
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise DataError(f"{path}: its header is not JSON ({len(text)} of {length} bytes read): truncated or "
-                        "corrupt; prepare it again") from None
+        raise DataError(f"{path}: its header is not JSON: corrupt; prepare it again") from None
     if header.get("format") != FORMAT or header.get("version") != VERSION:
         raise DataError(f"{path}: format {header.get('format')!r} version {header.get('version')!r}; this "
                         f"loader reads {FORMAT!r} version {VERSION}")

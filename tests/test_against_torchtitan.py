@@ -1,6 +1,6 @@
 """Ours against torchtitan 0.2.2's Qwen3-MoE from identical weights: the init copy, the same
 forward (CPU, fp32), and the parity harness's `--against torchtitan` / `--seed init` logic.
-The 200-step bf16 runs are GPU work (worklogs/2026-11-24-against-torchtitan.md)."""
+The 200-step bf16 runs are GPU work (scripts/against_torchtitan_gpu.sh)."""
 
 import json
 from pathlib import Path

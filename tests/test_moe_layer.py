@@ -177,20 +177,3 @@ def test_router_loss_gradient_reaches_the_gate_and_counts_once(router):
     torch.testing.assert_close(with_aux - plain.router.gate.weight.grad, layer.router.gate.weight.grad,
                                rtol=1e-4, atol=1e-7)
     assert (layer.router_loss_sums > 0).sum() == 1
-
-
-def test_moe_and_dispatch_meet_only_in_the_seam():
-    """moe/ and dispatch/ import torchtitan_moe.dispatch.seam, never each other (lazily neither)."""
-    import ast
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1] / "torchtitan_moe"
-    for package, other in (("moe", "dispatch"), ("dispatch", "moe")):
-        for path in sorted((root / package).glob("*.py")):
-            for node in ast.walk(ast.parse(path.read_text())):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-                for name in names:
-                    assert not name.startswith(f"torchtitan_moe.{other}"), f"{path.name} imports {name}"
-    seam = (root / "dispatch/seam.py").read_text()
-    assert "torchtitan_moe.moe" not in seam and "torchtitan_moe.dispatch" not in seam

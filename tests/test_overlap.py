@@ -221,7 +221,7 @@ def order_worker(rank: int, world: int, port: int, device: str, failures):
 
 def test_backward_issues_each_reverse_exchange_before_the_other_chunks_expert_backward():
     # The autograd engine runs ready nodes latest-created first: this order is what lets a chunk's
-    # reverse exchange run under the other chunk's expert backward on a GPU (README, [dispatch] overlap).
+    # reverse exchange run under the other chunk's expert backward on a GPU (docs/dispatchers.md, overlap).
     run_ranks(order_worker, 1, "cpu")
 
 

@@ -1,6 +1,6 @@
 """Break the code on purpose and check that the tests notice: a mutation test of the numerics.
 
-    python scripts/mutation_check.py [--only NAME ...] [--list] [--timeout S]
+    python tests/mutation_check.py [--only NAME ...] [--list] [--timeout S]
 
 Each mutation is a one-line source patch (zero the experts' output, drop the router
 probabilities, swap two experts, halve a gradient, skip the bias update, ...). For each one
@@ -8,8 +8,7 @@ the script applies the patch to a private copy of the repository (never the work
 which stays yours to edit and commit meanwhile), runs the tests named for it there (pytest -x,
 the copy first on PYTHONPATH), restores the file, and records whether they failed ("caught")
 and the first failing test. It prints a table and exits 1 when a mutation survived. Each
-mutation runs only its tests: ~10 minutes on 2 CPU cores. The table, with what caught each
-mutation, is in tests/README.md.
+mutation runs only its tests. How to add one: tests/README.md.
 """
 
 from __future__ import annotations

@@ -58,8 +58,8 @@ def other_tokenizer(good, tmp_path):
 
 def ids_past_vocab(good, tmp_path):
     src = copy_of(good, tmp_path)
-    write_shard(shard(src, 0), [np.array([5, 4000, 257])], BYTES, [])
-    return {"sources": [{"path": src}]}, [shard(src, 0), "token ids up to 4000, but the model's vocab_size is 2048"]
+    write_shard(shard(src, 0), [np.array([5, 2048, 257])], BYTES, [])  # the first id past the debug model's
+    return {"sources": [{"path": src}]}, [shard(src, 0), "token ids up to 2048, but the model's vocab_size is 2048"]
 
 
 def weight_zero(good, tmp_path):

@@ -105,6 +105,9 @@ def test_one_document_a_row_is_causal_attention():
     expected = causal(tokens)
     torch.testing.assert_close(document(tokens, positions=whole), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(document(tokens), expected, rtol=1e-5, atol=1e-5)  # no positions: one document
+    h = torch.randn(2, SEQ, 128, generator=torch.Generator().manual_seed(4))  # a block called alone (hf/bias_cost.py)
+    block, causal_block = document.layers["0"], causal.layers["0"]
+    torch.testing.assert_close(block(h, document.rope_cache), causal_block(h, causal.rope_cache), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -45,6 +45,8 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attention_masks=None,
                 positions: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_masks is None and self.attention.attn_type == "flex":  # a block called alone: one document a row
+            attention_masks = document_block_mask(torch.arange(x.shape[1], device=x.device).expand(x.shape[:2]))
         h, moe_input = self.attend(x, rope_cache, attention_masks, positions)
         return h + self.moe(moe_input)
 

@@ -249,6 +249,17 @@ def test_ranks_read_disjoint_shares_that_cover_every_window_once_per_epoch(tmp_p
     assert set().union(*seen) <= windows and len(set().union(*seen)) == 3 * (n // 3)
 
 
+def test_each_epoch_and_each_seed_shuffles_the_windows_anew(tmp_path):
+    src = make_source(tmp_path, "src", corpus(40))
+    dataset = build_dataloader(1, 0, TOK, job(src), vocab_size=2048).dataset
+    n = dataset.sources[0].num_windows
+    epochs = [[dataset.window_of(0, e * n + j) for j in range(n)] for e in range(3)]
+    assert all(sorted(order) == list(range(n)) for order in epochs)  # each epoch reads every window once
+    assert epochs[0] != epochs[1] != epochs[2] != epochs[0]
+    other_seed = build_dataloader(1, 0, TOK, job(src, seed=1), vocab_size=2048).dataset
+    assert [other_seed.window_of(0, j) for j in range(n)] != epochs[0]
+
+
 def test_weighted_sources_are_mixed_by_weight(tmp_path):
     a = make_source(tmp_path, "a", corpus(80, prefix="A"))
     b = make_source(tmp_path, "b", corpus(80, seed=1, prefix="B"))

@@ -64,7 +64,7 @@ class Source:
     def window(self, w: int, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
         """Window w: tokens [S + 1] int64 and each token's position in its document [S + 1] (see above)."""
         start, length = w * self.seq_len, self.seq_len + 1
-        tokens, doc_starts = [], [np.array([0])]
+        tokens, doc_starts = [], [np.array([0])]  # the window's first token counts from 0
         at, i = start, int(np.searchsorted(self.starts, start, side="right")) - 1
         while at < start + length:
             shard = self.shards[i]
@@ -76,7 +76,7 @@ class Source:
             index = shard.doc_index
             d = int(np.searchsorted(index, lo, side="right")) - 1  # the document holding token lo
             inside = np.asarray(index[d + 1 : np.searchsorted(index, hi, side="left")])  # starts in (lo, hi)
-            doc_starts += [np.array([at - start]), inside - lo + (at - start)]  # a shard begins with a document
+            doc_starts += [np.array([at - start]), inside - lo + (at - start)]  # a shard's first token begins a document
             at += hi - lo
             i += 1
         tokens = np.concatenate(tokens).astype(np.int64)

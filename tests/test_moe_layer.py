@@ -5,13 +5,13 @@ import torch
 import torch.nn.functional as F
 from numerics import assert_close_to_max
 
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 
 def make_layer(dim=24, num_experts=8, top_k=2, inter_dim=16, padding="none", align=8, kernels="torch", seed=0, **router):
     torch.manual_seed(seed)
     layer = MoE(MoEArgs(num_experts=num_experts, top_k=top_k, inter_dim=inter_dim, padding=padding, align=align,
-                        kernels=kernels, **router), dim)
+                        kernels=kernels, router=RouterOptions(**router)), dim)
     layer.init_weights(out_std=0.05)
     layer.router.gate.weight.data.normal_(std=0.5)  # decisive routing: no near-ties in top-k
     return layer
@@ -25,11 +25,11 @@ def dense_reference(layer, x, experts):
     w13 = layer.experts.w13.detach().double().requires_grad_()
     w2 = layer.experts.w2.detach().double().requires_grad_()
     logits = x64.reshape(-1, x.shape[-1]) @ gate.T
-    scores = torch.softmax(logits, -1) if r.score_func == "softmax" else torch.sigmoid(logits)
+    scores = torch.softmax(logits, -1) if r.options.score_func == "softmax" else torch.sigmoid(logits)
     probs = scores.gather(1, experts)
-    if r.route_norm:
+    if r.options.route_norm:
         probs = probs / probs.sum(-1, keepdim=True)
-    probs = probs * r.route_scale
+    probs = probs * r.options.route_scale
     tokens, inter = x64.reshape(-1, x.shape[-1]), layer.experts.inter_dim
     out = torch.zeros_like(tokens)
     for k in range(experts.shape[1]):

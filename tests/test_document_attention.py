@@ -65,7 +65,8 @@ def model(attention: str, seed: int = 0) -> Qwen3MoEModel:
     args = flavor_args("debug")
     args.max_seq_len = 128
     # No balance loss: it couples the tokens of a batch, which a per-document reference cannot reproduce.
-    args.moe = dataclasses.replace(args.moe, balance_loss="none", balance_loss_coeff=0.0)
+    router = dataclasses.replace(args.moe.router, balance_loss="none", balance_loss_coeff=0.0)
+    args.moe = dataclasses.replace(args.moe, router=router)
     if attention == "document":
         args.attn_type, args.attn_mask_type = "flex", "block_causal"
     torch.manual_seed(seed)

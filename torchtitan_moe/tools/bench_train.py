@@ -24,7 +24,8 @@ torchtitan's MoE runs on CUDA only.
 --vary section.key=v1,v2 (repeatable) trains each of our variants once per combination of the
 values (torchtitan's once, as configured) and adds a table of each combination against the first
 one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buffers=exact,worst_case`,
-`--vary optimizer.moments_dtype=float32,bfloat16`. Every combination is checked as a config first.
+`--vary optimizer.moments_dtype=float32,bfloat16`, `--vary data.attention=causal,document` (document masking's cost,
+with `-- --training.dataset shards --training.dataset_path DIR`). Every combination is checked as a config first.
 
 --repeat K trains every variant K times, in K rounds of all variants (so a slow spell of the machine falls on
 every variant alike), every second round in the reverse order (A B, B A, ...: on 2 H200s the second of two

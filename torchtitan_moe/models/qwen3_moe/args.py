@@ -25,8 +25,8 @@ class Qwen3MoEArgs(BaseModelArgs):
     rope_theta: float = 1e6
     qk_norm: bool = True
     max_seq_len: int = 4096
-    attn_type: str = "sdpa"  # the torchtitan attention we reuse reads these two
-    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"  # the torchtitan attention we reuse reads these two: "flex" and
+    attn_mask_type: str = "causal"  # "block_causal" for [data] attention = "document"
     enable_weight_tying: bool = False
     moe: MoEArgs = field(default_factory=MoEArgs)
     init_seed: int | None = None  # [debug] seed: the init draws from it alone (None: the RNG as it is)
@@ -34,6 +34,8 @@ class Qwen3MoEArgs(BaseModelArgs):
     def update_from_config(self, job_config, **kwargs) -> None:
         """Apply [moe], [router], [kernels], the precision and the sequence length from the job config."""
         self.max_seq_len = job_config.training.seq_len
+        document = job_config.data.attention == "document"
+        self.attn_type, self.attn_mask_type = ("flex", "block_causal") if document else ("sdpa", "causal")
         self.init_seed = job_config.debug.seed
         self.moe = moe_args(job_config, self.moe)
 

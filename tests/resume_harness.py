@@ -8,6 +8,7 @@ PLAN.json is a list of operations that every rank runs in order:
                                                of N data-parallel ranks side by side: N ranks' tokens at once)
     {"refused": [override, ...], "out": path}  a run that must stop with a CheckpointError; rank 0 writes the line
     {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
+    {"prepare": [input, ...], "out": folder}   rank 0 tokenizes the inputs into token shards (bytes tokenizer)
     {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
     {"split_rows": out}                        the Hugging Face adapter on experts whose rows two ranks split
     {"train": [...], "experts": path}          also: rank 0 writes where layer 0's experts live after each step
@@ -43,6 +44,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.components.data.prepare import prepare
 from torchtitan_moe.hf import convert
 
 from torchtitan_moe.tools import train_runs
@@ -327,6 +329,8 @@ def run_plan(plan: list[dict]) -> None:
                 host_syncs(op["host_syncs"], op["out"])
             elif "refused" in op:
                 refused(op["refused"], op["out"])
+            elif dist.get_rank() == 0 and "prepare" in op:
+                prepare(op["prepare"], op["out"], show_progress=False)
             elif dist.get_rank() == 0 and "copy" in op:
                 shutil.copytree(*op["copy"])
             elif dist.get_rank() == 0 and "to_hf" in op:

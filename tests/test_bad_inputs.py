@@ -1,6 +1,6 @@
 """Every bad input a user can give is refused before launch in exactly one line that names the key
 and what is allowed, with exit status 2 and no traceback: the same line whether the value comes
-from the TOML file or a command-line flag (issue 24). In-process through check_config.main (about
+from the TOML file or a command-line flag. In-process through check_config.main (about
 0.15 s a case); test_train_cpu runs the launcher end to end."""
 
 import contextlib

@@ -34,7 +34,7 @@ from torchtitan_moe.dispatch.backward import with_backward
 from torchtitan_moe.dispatch.registry import OVERLAPS, Run
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
 from torchtitan_moe.dispatch.seam import BUFFERS
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 16  # bf16 GEMMs take rows of a multiple of 16 bytes
 NAMES = ("out", "grad x", "grad gate", "grad w13", "grad w2")
@@ -106,7 +106,8 @@ def make_layer(case: Case, dtype: torch.dtype, padding: str = "none", kernels: s
     """The same weights on every rank, all experts; experts in `dtype`, the router in fp32."""
     torch.manual_seed(0)
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels=kernels,
-                        router_init_std=0.0 if case.routing == "zero_gate" else 0.5, bias_update_rate=0.0), DIM)
+                        router=RouterOptions(init_std=0.0 if case.routing == "zero_gate" else 0.5, bias_update_rate=0.0)),
+                DIM)
     layer.init_weights(out_std=0.1)
     if case.routing == "one_expert":  # the last expert wins every token's choice (the bias picks, it does not weigh)
         layer.router.expert_bias[-1] = 9.0

@@ -37,6 +37,7 @@ def _take_int(argv: list[str], flag: str) -> int | None:
 
 
 def check(argv: list[str]) -> str:
+    from torchtitan_moe.components.flops import causal_flops_per_token
     from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
 
     argv = list(argv)
@@ -55,7 +56,9 @@ def check(argv: list[str]) -> str:
     return (
         f"ok: {config.model.name} {config.model.flavor}: {total / 1e6:,.1f}M parameters, "
         f"{args.n_layers} layers x {moe.num_experts} experts (top-{moe.top_k}), "
-        f"{flops / 1e9:,.2f} GFLOP per token (training), EP = {config.parallelism.expert_parallel_degree}, "
+        f"{flops / 1e9:,.2f} GFLOP per token (training; causal count "
+        f"{causal_flops_per_token(flops, args, config.training.seq_len) / 1e9:,.2f}), "
+        f"EP = {config.parallelism.expert_parallel_degree}, "
         f"dispatch = {config.dispatch.backend}, kernels = {config.kernels.backend}"
         + (f", {nproc} processes" if nproc else "")
     )

@@ -5,20 +5,22 @@ document only (block-causal), from each token's position in its document.
     mask(b, q, kv) = kv <= q  and  documents[b, q] == documents[b, kv]
 
 The mask is a flex-attention BlockMask and torchtitan's Attention runs with attn_type "flex", its inner
-attention replaced by `DocumentAttention`: on a GPU torchtitan's compiled flex_attention over a BlockMask
-made by its compiled create_block_mask (blocks outside every document are skipped, not computed); flex has
+attention replaced by `DocumentAttention`: on a GPU a compiled flex_attention over a BlockMask made by
+torchtitan's compiled create_block_mask (blocks outside every document are skipped, not computed); flex has
 no CPU backward, so on the CPU the same mask_mod is evaluated densely [B, 1, S, S] for SDPA. The positions
 also restart RoPE at each document, so a packed document computes what it would alone.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, and_masks
+from torch.nn.attention.flex_attention import BlockMask, and_masks, flex_attention
 
-from torchtitan_moe.compat.torchtitan import FlexAttentionWrapper, create_attention_mask, get_causal_mask_mod
+from torchtitan_moe.compat.torchtitan import create_attention_mask, get_causal_mask_mod
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -54,13 +56,20 @@ def dense_mask(block_mask: BlockMask, batch: int, seq_len: int, device: torch.de
     return block_mask.mask_mod(b, torch.zeros_like(b), index.view(1, 1, -1, 1), index.view(1, 1, 1, -1))
 
 
+@functools.cache
+def compiled_flex_attention():
+    """flex_attention compiled once, with inductor's default kernel configs. Not torchtitan's compiled one
+    (FlexAttentionWrapper): it autotunes (max_autotune), and on torch 2.11 inductor then finds no valid
+    kernel choice for flex (NoValidChoicesError, on an H200, bf16 and fp32 alike)."""
+    return torch.compile(flex_attention, dynamic=False)
+
+
 class DocumentAttention(nn.Module):
     """torchtitan's inner attention for attn_type "flex" (FlexAttentionWrapper's call), q [B, H, S, D],
     k and v [B, H_kv, S, D] -> [B, H, S, D]: flex on a GPU, SDPA with the dense mask elsewhere."""
 
     def forward(self, q, k, v, *, block_mask: BlockMask, scale: float | None = None, enable_gqa: bool = False):
-        if q.is_cuda:  # looked up at each call: torchtitan swaps in an unautotuned compile for deterministic runs
-            return FlexAttentionWrapper._compiled_flex_attn(q, k, v, block_mask=block_mask, scale=scale,
-                                                            enable_gqa=enable_gqa)
+        if q.is_cuda:
+            return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
         mask = dense_mask(block_mask, q.shape[0], q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)

@@ -394,6 +394,8 @@ def check_arguments(opts) -> None:
         raise ConvertError(f"{source}: no such folder ({what})")
     if opts.direction != "to-hf":
         return
+    if not os.path.isfile(os.path.join(source, ".metadata")):
+        raise ConvertError(f"{source}: not a complete DCP checkpoint (no .metadata)")
     if not opts.shard_gb > 0:
         raise ConvertError(f"--shard-gb {opts.shard_gb}: must be > 0 (the largest safetensors file, GiB)")
     for flag in ("num_experts", "top_k", "inter_dim"):

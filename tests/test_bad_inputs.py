@@ -415,6 +415,9 @@ FILES = [
      "z.jsonl:1: not a JSON record"),
     ("data fewer documents than ranks", lambda t, f: text(t, text_files(t / "d", a__txt=b"one"), "--nproc", "2"),
      "1 documents for 2 data-parallel ranks"),
+    ("data tokenizer larger than the model", lambda t, f: text(t, text_files(t / "d", a__txt=b"one"), "--data.tokenizer",
+                                                              big_tokenizer(t / "tok.json")),
+     "has 3001 tokens but the model's vocab_size is 2048"),
     # The run folder: one writer at a time
     ("lock held here", lambda t, f: held(t, {}), f"is in use by another run (host {socket.gethostname()} pid {os.getpid()}"),
     ("lock held elsewhere", lambda t, f: held(t, {"host": "node-17", "pid": 4242}),
@@ -474,6 +477,16 @@ FILES = [
     ("tuned no entries", lambda t, f: tuned(t, lambda d: d.pop("entries")), 'expected {"version": 1, "entries": [...]}'),
     ("tuned other version", lambda t, f: tuned(t, lambda d: d.update(version=9)), "version 9, this code reads 1"),
 ]
+
+
+def big_tokenizer(path: Path) -> str:
+    """A word-level tokenizer.json of 3,001 tokens (more than the debug model's vocabulary)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    vocab = {f"w{i}": i for i in range(3000)} | {"<|endoftext|>": 3000}
+    Tokenizer(WordLevel(vocab, unk_token="w0")).save(str(path))
+    return str(path)
 
 
 def held(tmp: Path, holder: dict) -> list[str]:
@@ -741,7 +754,7 @@ def test_the_launcher_adds_at_most_one_line_to_a_failed_run(exitcode, line, stat
 
 @pytest.mark.parametrize("extra, expected", [
     (["--optimizer.lr", "-1"], "config error: [optimizer] lr = -1.0: must be a number >= 0"),
-    (["--nproc-per-node", "4"], "config error: --nproc-per-node 4 without --nproc"),
+    (["--nproc-per-node", "4"], "config error: --nproc-per-node 4: more than --nproc 2 (the processes of all nodes)"),
 ])
 def test_the_launcher_script_prints_a_refusal_in_one_line_and_launches_nothing(tmp_path, extra, expected):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -778,9 +791,8 @@ ERRORS = {"ConfigError", "CheckpointError", "DataError", "RunFolderBusy", "Conve
 # Refusals no in-process case can reach on this machine (the literal text they hold -> why).
 UNREACHABLE = {
     "could not take the lock": "three runs starting on one folder at once, each seeing the others' locks come and go",
-    "tokens but the model's vocab_size": "a tokenizer.json of more than the debug model's 2,048 tokens",
     "SMs": "a GPU's SM count (tuned.check_device)",
-    "failed (": "a save that fails while a run writes it: tests/test_train_cpu.py's disk-full test",
+    "failed (": "a save that fails while a run writes it: tests/test_failures.py (a full disk)",
     "config_file : cannot be read": "a config file this user may not read (the tests run as root)",
 }
 

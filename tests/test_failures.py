@@ -281,12 +281,12 @@ def test_a_training_process_dies_with_its_launcher():
 
 def children(pid: int) -> list[int]:
     found = []
-    for entry in os.listdir("/proc"):
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
-                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
                     found.append(int(entry))
-        except (FileNotFoundError, ValueError):
+        except (OSError, ValueError):  # a process that ended meanwhile
             pass
     return found
 

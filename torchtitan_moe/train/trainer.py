@@ -5,6 +5,11 @@ adds what MoE training needs: the aux-loss weight per micro-batch, the router-in
 before step 1, the per-rank numbers of the training-health monitors, and MoE statistics on
 the step line; its step is torchtitan's without the host syncs (train/step.py). On a machine
 without CUDA it trains on the CPU over gloo.
+
+Nothing lost, nothing silent (docs/failures.md): the run holds its dump folder's lock (train/run_folder.py),
+saves each step with its checksums and never from NaN weights (train/checksums.py, train/divergence.py),
+stops on a non-finite loss or gradient norm as [training] on_nonfinite says, and a hang watchdog turns a
+stuck step into one line (train/watchdog.py).
 """
 
 from __future__ import annotations

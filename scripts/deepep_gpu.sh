@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DeepEP on one node of 2 GPUs (H200s), the GPU work of issue 8:  bash scripts/deepep_gpu.sh OUT
+# DeepEP on one node of 2 GPUs (H200s):  bash scripts/deepep_gpu.sh OUT
 #   build   DeepEP from third_party/DeepEP into WORK/deep_ep (scripts/install_deepep.sh)     -> logs/build.log
 #           (always done first when WORK has no build yet, whatever STAGES says; OUT/build.log if it fails)
 #   test    DeepEP's GPU tests (2 GPUs, real deep_ep) and the dispatcher-choice tests          -> logs/tests.log

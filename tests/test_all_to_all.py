@@ -10,7 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
 
@@ -18,7 +18,7 @@ DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
 def make_layer(padding: str, zero_gate: bool, kernels: str = "torch") -> MoE:
     torch.manual_seed(0)  # the same weights on every rank
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels=kernels,
-                        router_init_std=0.0 if zero_gate else 0.5), DIM)
+                        router=RouterOptions(init_std=0.0 if zero_gate else 0.5)), DIM)
     layer.init_weights(out_std=0.1)
     return layer
 

@@ -1,5 +1,5 @@
 """Every bad input a user can give is refused in exactly one line that names the key, file or argument and
-what is allowed, with its exit status, no traceback, and nothing written or lost (issues 24, 53, 54). The
+what is allowed, with its exit status, no traceback, and nothing written or lost. The
 same line whether a config value comes from the TOML file or a flag. In-process, about 0.1 s a case:
 
     the config check (tools/check_config, which scripts/train.sh runs before launch): values, types, keys,
@@ -829,7 +829,7 @@ def refusals(path: Path) -> list[tuple[int, str, str]]:
 
 
 def every_case(tmp: Path, files: Path):
-    """(id, run) of every case of the tables above, for the ones this session has not run."""
+    """(id, run) of every case of the tables above, for the ones this pytest run has not run yet."""
     n = iter(range(10**6))
 
     def fresh() -> Path:

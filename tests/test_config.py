@@ -115,7 +115,7 @@ def test_router_recipe_reaches_the_model_args():
                               "--router.n_groups", "4", "--router.topk_groups", "2"])
     args = flavor_args("debug")
     args.update_from_config(config)
-    moe = args.moe
+    moe = args.moe.router
     assert (moe.balance_loss, moe.balance_loss_coeff, moe.z_loss_coeff, moe.n_groups, moe.topk_groups) == (
         "global_batch", 0.01, 0.001, 4, 2)
 
@@ -131,7 +131,7 @@ def test_a_config_without_router_keys_trains_qwen3s_recipe_and_may_export_to_hf(
     config = load_job_config(["--job.config_file", path, "--checkpoint.last_save_in_hf", "--checkpoint.last_save_model_only"])
     args = flavor_args("debug")
     args.update_from_config(config)
-    moe = args.moe
+    moe = args.moe.router
     assert (moe.bias_update_rate, moe.balance_loss, moe.balance_loss_coeff) == (0.0, "global_batch", 1e-3)
 
 

@@ -30,7 +30,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
     default_settings,
     release_buffers,
 )
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
@@ -48,7 +48,7 @@ def make_layer(padding: str, zero_gate: bool, rank: int, world: int, device) -> 
     """The same weights on every rank; this rank's expert shard in bf16, the router in fp32."""
     torch.manual_seed(0)
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels="torch",
-                        router_init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0), DIM)
+                        router=RouterOptions(init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0)), DIM)
     layer.init_weights(out_std=0.1)
     local = EXPERTS // world
     mine = slice(rank * local, (rank + 1) * local)

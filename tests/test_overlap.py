@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
 from torchtitan_moe.moe.chunks import chunk_bounds, split_routing
 
@@ -39,8 +39,9 @@ def make_layer(rank: int, world: int, overlap: str, dtype: torch.dtype, zero_gat
     """The same weights on every rank (this rank's expert shard), a micro-batch balance loss and a z-loss."""
     torch.manual_seed(0)
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding="always", kernels="torch",
-                        router_init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0,
-                        balance_loss="micro_batch", balance_loss_coeff=0.1, z_loss_coeff=1e-3), DIM)
+                        router=RouterOptions(init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0,
+                                             balance_loss="micro_batch", balance_loss_coeff=0.1, z_loss_coeff=1e-3)),
+                DIM)
     layer.init_weights(out_std=0.1)
     mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
     for name in ("w13", "w2"):
@@ -221,7 +222,7 @@ def order_worker(rank: int, world: int, port: int, device: str, failures):
 
 def test_backward_issues_each_reverse_exchange_before_the_other_chunks_expert_backward():
     # The autograd engine runs ready nodes latest-created first: this order is what lets a chunk's
-    # reverse exchange run under the other chunk's expert backward on a GPU (README, [dispatch] overlap).
+    # reverse exchange run under the other chunk's expert backward on a GPU (docs/dispatchers.md, overlap).
     run_ranks(order_worker, 1, "cpu")
 
 
@@ -269,7 +270,7 @@ def test_chunks_read_one_working_copy_of_the_experts_weights():
 
 def test_split_routing_counts_each_chunk_and_keeps_the_losses_whole():
     torch.manual_seed(0)
-    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, balance_loss="micro_batch", balance_loss_coeff=0.1), DIM)
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, router=RouterOptions(balance_loss="micro_batch", balance_loss_coeff=0.1)), DIM)
     routing = layer.router(torch.randn(15, DIM))
     bounds = chunk_bounds(15)
     assert bounds == [(0, 8), (8, 15)]

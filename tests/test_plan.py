@@ -20,29 +20,25 @@ SHAPE_8L = Shape.of(flavor_args("30b-a3b-8l"))
 # bench_train's peak memory (torch's max reserved, GiB), 30b-a3b-8l, seq 4096, learned router, H200, AC none
 # (configs/qwen3_30b_a3b_8l.toml). (GPUs, EP, local batch, moments bytes, [dispatch] buffers, experts' gradient
 # bytes, GiB, run)
-# EP = 2: worklogs/2026-11-26-session3-h200x2.md (b8c6231: experts outside FSDP2 with bf16 working copies of
-# their weights, the layout the code has). The EP = 2 peaks before it (experts under FSDP2 on a one-rank group
-# before 385075f, 59.3-66.8 GiB; outside FSDP2 cast per use at 8f01d2d and 385075f, 54.6-66.8 GiB) are of
-# layouts the code no longer has: left out.
-# With the train step that never syncs (19a9abd, the host a step ahead) the EP = 2 peaks rose by ~4 GiB:
-# worklogs/2026-11-26-session4-h200x2.md (fp32 moments, our AdamW as `update = "auto"` picks on a GPU).
-# The experts' gradients kept in bf16: worklogs/2026-11-26-session6-h200x2.md.
-# EP = 1: the issue (2026-11-24). The 2026-11-23 EP = 1 peaks (100.7 eager, 97.5 compiled) predate the
-# loss op the model counts: left out.
+# EP = 2: experts outside FSDP2 with bf16 working copies of their weights, the layout the code has (peaks of
+# layouts it no longer has, experts under FSDP2 on a one-rank group or cast per use, are left out). The first
+# four rows were measured with the train step's host syncs; the train step that never syncs (the host a step
+# ahead) raised the EP = 2 peaks by ~4 GiB (fp32 moments, our AdamW as `update = "auto"` picks on a GPU).
+# EP = 1: measured with the fused output-layer loss the model counts (earlier peaks, without it, left out).
 MEASURED = [
-    (2, 2, 4, 8, "worst_case", 4, 69.3, "b8c6231 deepep compiled"),
-    (2, 2, 4, 4, "worst_case", 4, 59.7, "b8c6231 deepep compiled, bf16 moments"),
-    (2, 2, 4, 4, "worst_case", 4, 59.0, "b8c6231 deepep compiled, bf16 moments, call 3"),
-    (2, 2, 4, 4, "worst_case", 4, 58.8, "b8c6231 deepep compiled, bf16 moments, call 3 again"),
-    (2, 2, 4, 8, "worst_case", 4, 74.0, "601337c deepep compiled"),
-    (2, 2, 4, 8, "worst_case", 4, 74.3, "19a9abd deepep compiled, update triton"),
-    (2, 2, 2, 8, "worst_case", 4, 56.8, "601337c deepep compiled, local batch 2"),
-    (1, 1, 2, 8, "exact", 4, 98.5, "2026-11-24 eager"),
-    (1, 1, 4, 8, "exact", 4, 109.9, "2026-11-24 eager"),
-    (1, 1, 2, 4, "exact", 4, 77.1, "2026-11-24 eager, bf16 moments"),
-    (1, 1, 4, 4, "exact", 4, 84.2, "2026-11-24 eager, bf16 moments"),
-    (2, 2, 4, 8, "worst_case", 2, 73.9, "bb3ad85 deepep compiled, experts' gradients kept in bf16"),
-    (2, 2, 2, 8, "worst_case", 2, 59.1, "bb3ad85 deepep compiled, experts' gradients kept in bf16, local batch 2"),
+    (2, 2, 4, 8, "worst_case", 4, 69.3, "deepep compiled, step with host syncs"),
+    (2, 2, 4, 4, "worst_case", 4, 59.7, "deepep compiled, step with host syncs, bf16 moments"),
+    (2, 2, 4, 4, "worst_case", 4, 59.0, "deepep compiled, step with host syncs, bf16 moments, run 2"),
+    (2, 2, 4, 4, "worst_case", 4, 58.8, "deepep compiled, step with host syncs, bf16 moments, run 3"),
+    (2, 2, 4, 8, "worst_case", 4, 74.0, "deepep compiled"),
+    (2, 2, 4, 8, "worst_case", 4, 74.3, "deepep compiled, update triton"),
+    (2, 2, 2, 8, "worst_case", 4, 56.8, "deepep compiled, local batch 2"),
+    (1, 1, 2, 8, "exact", 4, 98.5, "eager"),
+    (1, 1, 4, 8, "exact", 4, 109.9, "eager"),
+    (1, 1, 2, 4, "exact", 4, 77.1, "eager, bf16 moments"),
+    (1, 1, 4, 4, "exact", 4, 84.2, "eager, bf16 moments"),
+    (2, 2, 4, 8, "worst_case", 2, 73.9, "deepep compiled, experts' gradients kept in bf16"),
+    (2, 2, 2, 8, "worst_case", 2, 59.1, "deepep compiled, experts' gradients kept in bf16, local batch 2"),
 ]
 
 
@@ -87,12 +83,12 @@ def test_235b_flavor_is_qwen3_235b_a22b():
 
 @pytest.mark.parametrize("ep, rows", [(2, 16338), (4, 29713)])
 def test_rows_per_rank_match_bench_dispatch(ep, rows):
-    """Rows rank 0 sent at 8192 tokens, random top-8 of 128 (worklogs/2026-11-21-expert-parallel-h200x4.md)."""
+    """Rows rank 0 sent at 8192 tokens, random top-8 of 128 (kernels/bench_dispatch.py on 4 H200s)."""
     assert 8192 * plan.ranks_per_token(SHAPE_8L, ep) == pytest.approx(rows, rel=0.002)
 
 
 @pytest.mark.parametrize("dispatcher, ep, dispatch_us, combine_us", [
-    ("deepep", 2, 185, 171),  # worklogs/2026-11-24-ep2-h200x2.md, tuned
+    ("deepep", 2, 185, 171),  # tuned, on 2 H200s
     ("all_to_all", 2, 158, 158),  # exchange each way (NCCL, per-rank rows)
     ("all_to_all", 4, 346, 346),
 ])

@@ -26,7 +26,7 @@ pytestmark = [
 ]
 
 RUNS = {
-    # The default recipe ends with a Hugging Face export of its last step (issue 22).
+    # The default recipe ends with a Hugging Face export of its last step.
     "learns": ["--training.steps", "30", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
                "--checkpoint.last_save_model_only"],
     "ep2_bf16": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
@@ -74,7 +74,7 @@ for moments, update in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a plain CPU run must not print (issue 24): warnings that say nothing a user can act on,
+# What a plain CPU run must not print: warnings that say nothing a user can act on,
 # torchtitan's A100 fallback and the MFU columns without a peak, colour codes in a log file.
 NOISE = ("Warning", "warnings.warn", "lspci", "Peak flops", "Peak FLOPS", "tflops", "mfu", "\x1b[",
          "OMP_NUM_THREADS", "will be overridden")
@@ -195,7 +195,7 @@ def test_expert_parallel_bf16_mixed_precision(runs):
 def test_experts_outside_fsdp_train_as_under_it_without_its_copies(runs, launched, optimizer):
     # EP = 2 on 2 processes: the experts' FSDP group would have one rank. They stay outside FSDP2 (fp32
     # master weights on the EP mesh and a bf16 working copy the GEMMs read: no all-gather or reduce-scatter
-    # copies, issue 21) and train bit for bit as they did under FSDP2 (the same casts; a sum over one rank
+    # copies) and train bit for bit as they did under FSDP2 (the same casts; a sum over one rank
     # is exact): torch's AdamW (the copies cast after each step) and ours (the copies written by the update).
     name = {"torch": "ep2_bf16", "ours": "ep2_bf16_adamw"}[optimizer]
     layouts = {n: json.loads((launched / f"{n}.experts.json").read_text()) for n in (name, f"{name}_experts_in_fsdp")}

@@ -50,7 +50,8 @@ ROUTER_LOSSES = ("balance_loss", "z_loss")  # the columns of MoE.last_router_los
 
 def router_coefficients(layers: list) -> torch.Tensor | None:
     """[L, 2] fp64: each layer's coefficients of its router losses, or None when no term is on."""
-    coeffs = torch.tensor([[m.router.balance_loss_coeff, m.router.z_loss_coeff] for m in layers], dtype=torch.float64)
+    coeffs = torch.tensor([[m.router.options.balance_loss_coeff, m.router.options.z_loss_coeff] for m in layers],
+                          dtype=torch.float64)
     return coeffs if layers and (coeffs > 0).any() else None
 
 

@@ -5,6 +5,9 @@ torchtitan merges `JobConfig` below into its own (``job.custom_config_module =
 "torchtitan_moe.config.sections"``, which our entry points add by themselves), so these sections
 live in the same TOML file and take the same ``--section.key value`` overrides.
 
+[moe] and [router] are the MoE layer's settings as moe/options.py declares them, redeclared here only
+where a run's default differs from a bare layer's; `moe_args` turns them into the layers' args.
+
 Every problem is reported as one `ConfigError` line that names the key and what is allowed.
 This module imports nothing from torchtitan: the merged config class is passed in. No
 `from __future__ import annotations` here: torchtitan and the checks read real field types.
@@ -12,10 +15,12 @@ This module imports nothing from torchtitan: the merged config class is passed i
 
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-ALIGNMENTS = (8, 16, 32)
+from torchtitan_moe.moe.options import MoEArgs, MoEOptions, RouterOptions, moe_problem
+from torchtitan_moe.moe.router_losses import BalanceLoss
+
 MODEL_NAMES = ("qwen3_moe", "torchtitan_qwen3_moe")
 
 
@@ -29,8 +34,11 @@ REPLACED_KEYS = {
 }
 
 
+# [moe] and [router]: moe/options.py's, with a run's defaults. No class docstrings: --help would print them.
+
+
 @dataclass
-class Moe:
+class Moe(MoEOptions):  # the shape defaults to the model flavor's
     num_experts: int | None = None
     """Routed experts per MoE layer (default: the model flavor's)."""
 
@@ -40,57 +48,25 @@ class Moe:
     inter_dim: int | None = None
     """Hidden size of each expert (default: the model flavor's)."""
 
-    padding: Literal["none", "auto", "always"] = "auto"
-    """Pad each expert's rows for torch._grouped_mm: 'auto' pads only where the GPU needs it
-    (compute capability 10.x gives empty groups wrong weight gradients), 'always', 'none'."""
-
-    align: int = 8
-    """Row alignment of each expert's group when padding (8, 16 or 32)."""
-
 
 @dataclass
-class Router:
+class Router(RouterOptions):  # the flavor's scores unless set, and Qwen3's balancing recipe
     score_func: Literal["softmax", "sigmoid"] | None = None
     """Score function over the gate logits (default: the model flavor's)."""
 
     route_norm: bool | None = None
     """Renormalize the top-k probabilities to sum to 1 (default: the model flavor's)."""
 
-    route_scale: float = 1.0
-    """Multiplier on the top-k probabilities."""
-
-    init_std: float = 0.02
-    """Std of the gate's truncated-normal init. 0 reproduces a zero-initialized gate."""
-
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off, the default:
     Hugging Face's Qwen3-MoE has no expert bias, so a model trained with one does not export as trained)."""
 
-    balance_loss: Literal["none", "sequence", "micro_batch", "global_batch"] = "global_batch"
-    """Load-balance loss sum_e f_e P_e (1 when balanced), f and P counted per 'sequence' (DeepSeek-V3),
-    per 'micro_batch' (Switch, GShard) or f over the 'global_batch' (Qwen3: all data-parallel ranks and
-    the step's micro-batches so far, one all-reduce of E counts per layer)."""
+    balance_loss: BalanceLoss = "global_batch"
 
     balance_loss_coeff: float = 1e-3
     """Each MoE layer adds coeff x its balance loss (Megatron-LM, DeepSeek-V3); > 0 exactly when
     balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale. The
     defaults (global_batch, 1e-3, no expert bias) are Qwen3's recipe, as the shipped configs train."""
-
-    z_loss_coeff: float = 0.0
-    """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE, OLMoE: 1e-3; 0: off)."""
-
-    n_groups: int = 1
-    """Group-limited routing (DeepSeek-V3): the experts split into this many groups (1: off)."""
-
-    topk_groups: int = 1
-    """Groups a token may use, ranked by the sum of their best top_k // topk_groups choice scores."""
-
-    force_balance: bool = False
-    """Ignore the scores and send tokens round-robin over experts (benchmarks only)."""
-
-    gate_precision: Literal["float32", "param"] = "float32"
-    """The gate's matrix product: 'float32' from fp32 weights (its own FSDP2 group), or 'param':
-    in [training] mixed_precision_param, as torchtitan's Qwen3 does (scores in fp32 either way)."""
 
 
 @dataclass
@@ -115,7 +91,7 @@ class Dispatch:
 
     overlap: Literal["none", "chunks"] = "none"
     """EP > 1: 'chunks' splits each MoE layer's tokens in two, one chunk's dispatch or combine in
-    flight while the other's experts compute (moe/chunks.py); opt-in, not yet measured at EP = 2."""
+    flight while the other's experts compute (moe/chunks.py); opt-in: slower at 30B-A3B shapes on 2 H200s."""
 
 
 @dataclass
@@ -248,6 +224,18 @@ class JobConfig:
     training: Training = field(default_factory=Training)
 
 
+def moe_args(cfg: Any, flavor: MoEArgs) -> MoEArgs:
+    """The MoE layers' args in a run: the model flavor's, with every [moe] and [router] key the config sets
+    (a key left unset, None, keeps the flavor's), [kernels] backend and [training] mixed_precision_param."""
+    router = replace(flavor.router, **_set_keys(cfg.router))
+    return replace(flavor, **_set_keys(cfg.moe), kernels=cfg.kernels.backend,
+                   param_dtype=cfg.training.mixed_precision_param, router=router)
+
+
+def _set_keys(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in fields(section) if getattr(section, f.name) is not None}
+
+
 # ---------------------------------------------------------------------------------------
 # Semantics: impossible combinations, checked on the parsed config (TOML + CLI overrides).
 # ---------------------------------------------------------------------------------------
@@ -258,9 +246,14 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise ConfigError(problem)
+
+
 def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = None) -> None:
-    """Check combinations that cannot train. `flavors` maps flavor names to model args
-    (anything with `.moe.num_experts` and `.moe.top_k`)."""
+    """Check combinations that cannot train. `flavors` maps flavor names to model args (their `.moe`,
+    MoEArgs, is what [moe] and [router] update: the MoE layers' args are checked as the layers check them)."""
     _need(
         cfg.model.name in MODEL_NAMES,
         f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "
@@ -275,21 +268,10 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
           f"{cfg.model.name!r} starts from its own init ('own')")
     _need(cfg.model.init_from == "own" or cfg.debug.seed is not None,
           "[model] init_from = 'qwen3_moe' needs [debug] seed: our init draws from it (unset, every run differs)")
-    args = flavors[cfg.model.flavor].moe
-    moe, router, par = cfg.moe, cfg.router, cfg.parallelism
-    num_experts = moe.num_experts if moe.num_experts is not None else args.num_experts
-    top_k = moe.top_k if moe.top_k is not None else args.top_k
-
-    _need(num_experts >= 1, f"[moe] num_experts = {num_experts}: must be >= 1")
-    _need(1 <= top_k <= num_experts, f"[moe] top_k = {top_k}: must be in 1..num_experts ({num_experts})")
-    _need(moe.inter_dim is None or moe.inter_dim >= 1, f"[moe] inter_dim = {moe.inter_dim}: must be >= 1")
-    _need(moe.align in ALIGNMENTS, f"[moe] align = {moe.align}: must be one of 8, 16, 32")
-    _need(router.init_std >= 0, f"[router] init_std = {router.init_std}: must be >= 0")
-    _need(router.route_scale > 0, f"[router] route_scale = {router.route_scale}: must be > 0")
-    _need(router.bias_update_rate >= 0, f"[router] bias_update_rate = {router.bias_update_rate}: must be >= 0 (0: off)")
+    layer = moe_args(cfg, flavors[cfg.model.flavor].moe)
+    num_experts, top_k, router, par = layer.num_experts, layer.top_k, cfg.router, cfg.parallelism
+    _refuse(moe_problem(layer, config_key))
     _need(cfg.metrics.peak_tflops >= 0, f"[metrics] peak_tflops = {cfg.metrics.peak_tflops}: must be >= 0 (0: from the GPU)")
-    check_router_losses(router)
-    check_groups(router, num_experts, top_k)
     _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
     hang = cfg.checks.hang_timeout
     _need(hang == -1 or hang >= 0, f"[checks] hang_timeout = {hang}: must be seconds > 0, 0 (off) or -1 (from [comm]'s timeouts)")
@@ -438,37 +420,6 @@ def check_dispatch(cfg: Any, ep: int) -> None:
           f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
 
 
-def check_router_losses(router: Any) -> None:
-    loss, coeff = router.balance_loss, router.balance_loss_coeff
-    _need(coeff >= 0, f"[router] balance_loss_coeff = {coeff}: must be >= 0")
-    _need(
-        not (loss != "none" and coeff == 0),
-        f"[router] balance_loss = {loss!r} needs balance_loss_coeff > 0 (e.g. 1e-3); 'none' turns it off",
-    )
-    _need(
-        not (loss == "none" and coeff > 0),
-        f"[router] balance_loss_coeff = {coeff} has no loss to weigh: set balance_loss (e.g. 'global_batch') or 0",
-    )
-    _need(router.z_loss_coeff >= 0, f"[router] z_loss_coeff = {router.z_loss_coeff}: must be >= 0 (0: off)")
-
-
-def check_groups(router: Any, num_experts: int, top_k: int) -> None:
-    groups, topk_groups = router.n_groups, router.topk_groups
-    _need(groups >= 1, f"[router] n_groups = {groups}: must be >= 1 (1: no groups)")
-    _need(num_experts % groups == 0, f"[router] n_groups = {groups}: must divide [moe] num_experts ({num_experts})")
-    _need(1 <= topk_groups <= groups, f"[router] topk_groups = {topk_groups}: must be in 1..n_groups ({groups})")
-    if groups == 1:
-        return
-    per_group = num_experts // groups
-    _need(
-        top_k <= topk_groups * per_group,
-        f"[moe] top_k = {top_k}: more than topk_groups x experts per group ({topk_groups} x {per_group})",
-    )
-    _need(
-        topk_groups <= top_k,
-        f"[router] topk_groups = {topk_groups}: more than top_k ({top_k}) groups cannot all be used",
-    )
-    _need(
-        not router.force_balance,
-        "[router] force_balance sends tokens round-robin over all experts: it needs n_groups = 1",
-    )
+def config_key(key: str) -> str:
+    """A key of the MoE layer's settings (moe/options.py) in the config's words: '[router] n_groups', '[moe] top_k'."""
+    return f"[router] {key}" if key in {f.name for f in fields(RouterOptions)} else f"[moe] {key}"

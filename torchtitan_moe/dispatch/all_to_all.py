@@ -69,8 +69,7 @@ class _Rows(NamedTuple):
 class _Counts:
     """Split sizes on their way to the host: a copy started on the stream, waited for later, so
     the CPU queues independent work before it blocks (the GPU then has work while the CPU waits
-    and catches up; on a one-rank group the gain was within run-to-run noise, see
-    worklogs/2026-11-23-one-gpu-step.md). Built from kept sizes under an activation-checkpointing replay."""
+    and catches up; on a one-rank group the gain was within run-to-run noise). Built from kept sizes under an activation-checkpointing replay."""
 
     def __init__(self, sizes, ep_size: int = 0):
         self.ep_size = ep_size

@@ -40,7 +40,7 @@ import torch.distributed as dist
 # The last commit of DeepEP's v1 `Buffer` API on main (the next one, b306af0, introduces EPv2).
 DEEPEP_COMMIT = "567632dd59810d77b3cc05553df953cc0f779799"
 DEEPEP_REPO = "https://github.com/deepseek-ai/DeepEP"
-INSTALL_HINT = f"build it with `bash scripts/install_deepep.sh` (DeepEP {DEEPEP_COMMIT[:7]}, see README)"
+INSTALL_HINT = f"build it with `bash scripts/install_deepep.sh` (DeepEP {DEEPEP_COMMIT[:7]}, see docs/dispatchers.md)"
 
 EP_SIZES = (2, 4, 8)  # DeepEP's intranode kernels are compiled for these rank counts
 DEFAULT_NUM_SMS = 24

@@ -296,8 +296,8 @@ def start_hint(args: Qwen3MoEArgs, out: str) -> str:
     base = FLAVORS[flavor].moe
     extra = "".join(f" --moe.{name} {getattr(args.moe, name)}" for name in ("num_experts", "top_k", "inter_dim")
                     if getattr(args.moe, name) != getattr(base, name))
-    if args.moe.route_norm != base.route_norm:
-        extra += f" --router.route_norm {args.moe.route_norm}"
+    if args.moe.router.route_norm != base.router.route_norm:
+        extra += f" --router.route_norm {args.moe.router.route_norm}"
     return f"start a run from it: --model.flavor {flavor}{extra} --checkpoint.initial_load_path {out}"
 
 

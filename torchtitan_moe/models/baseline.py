@@ -60,15 +60,15 @@ class BaselineArgs(TorchtitanQwen3ModelArgs):
 
 def torchtitan_args(ours: Qwen3MoEArgs) -> BaselineArgs:
     """The torchtitan Qwen3 args with the same shapes as one of our flavors."""
-    moe = ours.moe
+    moe, router = ours.moe, ours.moe.router
     return BaselineArgs(
         dim=ours.dim, n_layers=ours.n_layers, n_heads=ours.n_heads, n_kv_heads=ours.n_kv_heads,
         head_dim=ours.head_dim, vocab_size=ours.vocab_size, norm_eps=ours.norm_eps, rope_theta=ours.rope_theta,
         qk_norm=ours.qk_norm, max_seq_len=ours.max_seq_len, enable_weight_tying=ours.enable_weight_tying,
         moe_enabled=True, moe_inter_dim=moe.inter_dim,
         moe_args=TorchtitanMoEArgs(
-            num_experts=moe.num_experts, num_shared_experts=0, top_k=moe.top_k, score_func=moe.score_func,
-            route_norm=moe.route_norm, route_scale=moe.route_scale, score_before_experts=False,
+            num_experts=moe.num_experts, num_shared_experts=0, top_k=moe.top_k, score_func=router.score_func,
+            route_norm=router.route_norm, route_scale=router.route_scale, score_before_experts=False,
         ),
     )
 

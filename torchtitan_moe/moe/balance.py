@@ -26,6 +26,13 @@ def moe_layers(model_parts: list[nn.Module]) -> list[MoE]:
     return [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
 
 
+def set_aux_loss_scale(model_parts: list[nn.Module], scale: float) -> None:
+    """Weigh each MoE layer's aux loss, and its logged router losses, by `scale`: 1 / (micro-batches per
+    step x data-parallel ranks) makes the summed gradients those of the mean over the global batch."""
+    for layer in moe_layers(model_parts):
+        layer.aux_loss_scale = scale
+
+
 @torch.no_grad()
 def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-reduce (one collective) and clear the layers' step statistics -> loads [L, E] fp64.
@@ -43,7 +50,7 @@ def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> tor
         layer.router.global_counts.zero_()
         layer.last_tokens_per_expert = row[:-2].long()
         # Mean over the step's micro-batches on all ranks: the same weights as the gradient.
-        layer.last_router_losses = row[-2:] * MoE.aux_loss_scale
+        layer.last_router_losses = row[-2:] * layer.aux_loss_scale
     return stats[:, :-2]
 
 
@@ -52,8 +59,9 @@ def update_expert_bias(layers: list[MoE], loads: torch.Tensor) -> None:
     """loads [L, E]. No host sync: a layer that saw no tokens gets sign(0 - 0) = 0, no change."""
     signs = torch.sign(loads.mean(dim=1, keepdim=True) - loads).float()
     for layer, sign in zip(layers, signs):
-        if layer.bias_update_rate:
-            delta = layer.bias_update_rate * sign
+        rate = layer.router.options.bias_update_rate
+        if rate:
+            delta = rate * sign
             layer.router.expert_bias.add_(delta - delta.mean())
 
 

@@ -30,8 +30,7 @@ from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings
 VERSION = 1
 BACKENDS = ("deepep", "all_to_all", "all_gather")  # all_gather: timed at EP = 2 only
 # Entries measured on H200s. EP = 2: tune_dispatch on 2 H200s (configs/qwen3_30b_a3b_8l.toml,
-# 8192 tokens/rank, DeepEP 567632d, torch 2.11.0+cu130) at project commit 2c40531, 2026-11-23,
-# measured outside the project's own runs (shared/measured/h200x2-ep2-dispatch.json).
+# 8192 tokens/rank, DeepEP 567632d, torch 2.11.0+cu130); each entry records its versions and the day it was tuned.
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_dispatch.json")
 
 

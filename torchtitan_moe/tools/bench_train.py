@@ -27,9 +27,9 @@ one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buff
 
 --repeat K trains every variant K times, in K rounds of all variants (so a slow spell of the machine falls on
 every variant alike), every second round in the reverse order (A B, B A, ...: on 2 H200s the second of two
-runs ran ~1% faster in either order, worklogs/2026-11-27-session13-h200x2.md): the table gives the median of
+runs ran ~1% faster in either order): the table gives the median of
 the runs' tokens/s with their range, and --vary's ratios are the median of each round's ratio, with their range.
-On 2 H200s one setting's runs spread by up to 6% (worklogs/2026-11-26-session3-h200x2.md): a change of 1-2%
+On 2 H200s one setting's runs spread by up to 6%: a change of 1-2%
 needs several rounds to show.
 
 --gpu-power samples every GPU's power draw, SM clock, temperature and clock-limit reasons with nvidia-smi through each run

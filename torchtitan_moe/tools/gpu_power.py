@@ -7,13 +7,13 @@
     summarize(samples)                     # per GPU: median SM MHz, W and °C, mean W, share of samples at the power cap
 
 On 2 H200s our training step runs at the GPUs' 700 W software power cap with the SM clock well below its
-maximum (worklogs/2026-11-27-session10-h200x2.md), and one setting's tokens/s moved by 6% between two rounds
-of one run while torchtitan's did not (worklogs/2026-11-27-session14-h200x2.md): these figures, beside each
+maximum, and one setting's tokens/s moved by 6% between two rounds
+of one run while torchtitan's did not: these figures, beside each
 run's tokens/s (`bench_train --gpu-power`), tell a GPU running slower (at the cap, hotter: its leakage takes more
 of the same watts) from a host launching slower. At the cap a step's time is its energy over the cap's watts, so
 only less energy per token makes it faster: the mean power (energy over time) gives each run's tokens per joule.
 Over bench_train's usual window (10 steps, ~2 s, ~10 samples a GPU) it moved by up to 7% between runs of one
-setting on one host (worklogs/2026-11-28-session18-h200x2.md): compare energies over longer windows or several runs.
+setting on one host: compare energies over longer windows or several runs.
 """
 
 from __future__ import annotations

@@ -66,15 +66,15 @@ class Gpu:
 
 
 GPUS = {
-    # H200: 143,771 MiB measured (worklogs/2026-11-23-one-gpu-step.md); NVLink 18 x 26.6 GB/s as bench_dispatch.
+    # H200: 143,771 MiB measured; NVLink 18 x 26.6 GB/s as bench_dispatch.
     "h200": Gpu("H200", 143_771 / 1024, 18 * 26.6, 50.0, 989.0),
     "h100": Gpu("H100", 81_559 / 1024, 18 * 26.6, 50.0, 989.0),
     "b200": Gpu("B200", 183_359 / 1024, 18 * 50.0, 50.0, 2250.0),
 }
 
 # Measured share of the NVLink limit (kernels/bench_dispatch.py, H200, 8192 tokens/rank, Qwen3-30B-A3B
-# shapes): all_to_all (NCCL, per-rank rows) 44% at EP 2 and 55% at EP 4 (worklogs/2026-11-21-expert-
-# parallel-h200x4.md); DeepEP tuned 38% dispatch, 41% combine at EP 2 (worklogs/2026-11-24-ep2-h200x2.md).
+# shapes): all_to_all (NCCL, per-rank rows) 44% at EP 2 and 55% at EP 4;
+# DeepEP tuned 38% dispatch, 41% combine at EP 2.
 # EP 8 and DeepEP at EP 4/8 are not measured: the nearest measured figure is used.
 EFFICIENCY = {
     ("all_to_all", 2): (0.44, 0.44), ("all_to_all", 4): (0.55, 0.55),
@@ -85,7 +85,7 @@ EFFICIENCY = {
 FIT_SHARE = 0.9
 NETWORK_EFFICIENCY = 0.8  # ASSUMED (not measured here): NCCL all-to-all over InfiniBand
 # Measured compute rate for the estimated step: ours eager, 30b-a3b-8l at EP = 1 on one H200, 228.5
-# TFLOP/s (worklogs/2026-11-23-one-gpu-step.md), i.e. 23.1% of the peak; the same share for other GPUs.
+# TFLOP/s, i.e. 23.1% of the peak; the same share for other GPUs.
 MEASURED_MFU = 228.5 / 989.0
 
 

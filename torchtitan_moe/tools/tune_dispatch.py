@@ -149,8 +149,8 @@ def build_layer(model_args, ep: int, rank: int, device: torch.device) -> MoE:
     torch.manual_seed(0)
     with torch.device(device):
         # It times the exchange: no balance loss (its counts need the data-parallel group) or bias update.
-        layer = MoE(replace(model_args.moe, bias_update_rate=0.0, balance_loss="none", balance_loss_coeff=0.0),
-                    model_args.dim)
+        router = replace(model_args.moe.router, bias_update_rate=0.0, balance_loss="none", balance_loss_coeff=0.0)
+        layer = MoE(replace(model_args.moe, router=router), model_args.dim)
         layer.init_weights(out_std=0.02, buffer_device=device)
     local = layer.num_experts // ep
     mine = slice(rank * local, (rank + 1) * local)

@@ -31,7 +31,7 @@ import torch
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import args_from_hf_config, arch_differences, hf_config
-from torchtitan_moe.moe.layer import MoEArgs
+from torchtitan_moe.moe.options import MoEArgs, RouterOptions
 from torchtitan_moe.compat.torchtitan import logger
 
 TRAINING_STATE_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -382,14 +382,34 @@ def read_model_args(folder: str) -> Qwen3MoEArgs | None:
         with open(path) as f:
             saved = json.load(f)
         moe = saved.pop("moe", {})
-        known = {f.name for f in dataclasses.fields(Qwen3MoEArgs)}
-        args = Qwen3MoEArgs(**{k: v for k, v in saved.items() if k in known})
-        moe_known = {f.name for f in dataclasses.fields(MoEArgs)}
-        args.moe = MoEArgs(**{k: v for k, v in moe.items() if k in moe_known})
+        args = Qwen3MoEArgs(**_known(Qwen3MoEArgs, saved))
+        args.moe = _moe_args(moe)
     except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not a table of the model's args
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); nothing was changed on disk; "
                               f"{_resume_hint(folder)}") from None
     return args
+
+
+def _known(cls: type, saved: dict) -> dict:
+    """The keys of `saved` that `cls` has (a file of another version may hold others; missing ones default)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in saved.items() if k in names}
+
+
+def _moe_args(saved: dict) -> MoEArgs:
+    """MoEArgs of model_args.json's "moe" table. Files written before the router had its own settings hold
+    them flat in that table, the gate's init std as router_init_std and its dtype as router_gate_dtype."""
+    saved = dict(saved)
+    router = saved.pop("router", None)
+    if router is None:  # the flat layout
+        router = {k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(RouterOptions)}}
+        if "router_init_std" in saved:
+            router["init_std"] = saved["router_init_std"]
+        gate_dtype = saved.get("router_gate_dtype", "float32")
+        router["gate_precision"] = "float32" if gate_dtype == "float32" else "param"
+        if gate_dtype != "float32":
+            saved["param_dtype"] = gate_dtype
+    return MoEArgs(**{**_known(MoEArgs, saved), "router": RouterOptions(**_known(RouterOptions, router))})
 
 
 def record_model_args(checkpointer, model_args: Qwen3MoEArgs, export_dtype: torch.dtype) -> None:

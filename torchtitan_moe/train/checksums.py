@@ -8,7 +8,7 @@ DCP writes `.metadata` last, and a step folder counts as complete once it exists
 written just before it, so every complete step carries the checksums of its data files. A step folder
 saved without checksums (before they were written) loads with a warning. The hash is xxh3_64 (the
 `xxhash` package, which torchtitan's `datasets` dependency installs): several GB/s a thread, its cost a
-few percent of the save (scripts/study_checksum_cost.py measures it).
+few percent of the save (worklogs/studies/study_checksum_cost.py measures it).
 """
 
 from __future__ import annotations

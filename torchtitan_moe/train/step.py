@@ -6,15 +6,15 @@ micro-batch to the device with blocking copies and reads the all-reduced count b
 on an idle GPU, only a little ahead of it for the whole forward: any stall of one rank's host
 (a slow hook, the interpreter) idles its GPU and leaves the other rank's collectives spinning
 beside its GEMMs (2 H200s, EP = 2: the grouped GEMMs ran 1.8x longer beside a waiting
-all-gather; worklogs/2026-11-26-session4-h200x2.md). Here the batches go from pinned memory
+all-gather). Here the batches go from pinned memory
 with non-blocking copies and the count stays on the device, so the host queues step N + 1
 while the GPU finishes step N.
 
 A logging step reads values back too (the loss, the gradient norm, the MoE statistics), which
 drained the GPU once per log: the next step started on an idle GPU, its forward launched from a
 host with no lead (2 H200s, local batch 4, logging every 10 steps: 110-200 ms lost every 10
-steps; 78,575 tokens/s/GPU here against 69,720-71,261 in the same position before,
-worklogs/2026-11-27-session15-h200x2.md). Here a logging step launches what it reads (the reductions, copies to pinned
+steps; 78,575 tokens/s/GPU here against 69,720-71,261 in the same position before).
+Here a logging step launches what it reads (the reductions, copies to pinned
 memory behind one event) and its line is written once the next step is queued (PendingLog): the
 read waits for the logged step alone while the GPU works on the next. The line and the run's
 monitors come one step later (the last step's at once). A line's throughput counts the steps since

@@ -37,7 +37,7 @@ from torchtitan_moe.components.data import stop_workers
 from torchtitan_moe.models import qwen3_moe
 from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
-from torchtitan_moe.moe.layer import MoE
+from torchtitan_moe.moe.balance import set_aux_loss_scale
 from torchtitan_moe.components.optimizer import attach_working_copies, clip_in_optimizer, keep_expert_gradients
 from torchtitan_moe.train.step import flush_log, train_step
 from torchtitan_moe.compat.torchtitan import (
@@ -91,7 +91,7 @@ class MoETrainer(Trainer):
         # summed gradients are those of the mean over the global batch, like the main loss.
         dims = self.parallel_dims
         batch_degree = dims.get_mesh("batch").size() if dims.dp_enabled else 1
-        MoE.aux_loss_scale = 1.0 / (self.gradient_accumulation_steps * batch_degree)
+        set_aux_loss_scale(self.model_parts, 1.0 / (self.gradient_accumulation_steps * batch_degree))
         self._local_losses: list[torch.Tensor] = []
         self.pending_log = None  # a logging step's values, read once the next step is queued (train/step.py)
         self.log_mark = None  # where the last logged step ended (train_step.mark): the next line's time starts

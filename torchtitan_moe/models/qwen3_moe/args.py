@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from torchtitan_moe.moe.layer import MoE, MoEArgs
+from torchtitan_moe.config.sections import moe_args
+from torchtitan_moe.moe.layer import MoE
+from torchtitan_moe.moe.options import MoEArgs
 from torchtitan_moe.compat.torchtitan import BaseModelArgs
 
 
@@ -29,32 +31,10 @@ class Qwen3MoEArgs(BaseModelArgs):
     init_seed: int | None = None  # [debug] seed: the init draws from it alone (None: the RNG as it is)
 
     def update_from_config(self, job_config, **kwargs) -> None:
-        """Apply [moe], [router], [kernels] and the sequence length from the job config."""
+        """Apply [moe], [router], [kernels], the precision and the sequence length from the job config."""
         self.max_seq_len = job_config.training.seq_len
         self.init_seed = job_config.debug.seed
-        m, r = job_config.moe, job_config.router
-        moe = self.moe
-        self.moe = replace(
-            moe,
-            num_experts=m.num_experts if m.num_experts is not None else moe.num_experts,
-            top_k=m.top_k if m.top_k is not None else moe.top_k,
-            inter_dim=m.inter_dim if m.inter_dim is not None else moe.inter_dim,
-            padding=m.padding,
-            align=m.align,
-            score_func=r.score_func if r.score_func is not None else moe.score_func,
-            route_norm=r.route_norm if r.route_norm is not None else moe.route_norm,
-            route_scale=r.route_scale,
-            router_init_std=r.init_std,
-            bias_update_rate=r.bias_update_rate,
-            balance_loss=r.balance_loss,
-            balance_loss_coeff=r.balance_loss_coeff,
-            z_loss_coeff=r.z_loss_coeff,
-            n_groups=r.n_groups,
-            topk_groups=r.topk_groups,
-            force_balance=r.force_balance,
-            router_gate_dtype="float32" if r.gate_precision == "float32" else job_config.training.mixed_precision_param,
-            kernels=job_config.kernels.backend,
-        )
+        self.moe = moe_args(job_config, self.moe)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
         """Total parameters and training FLOPs per token (6 x active non-embedding params

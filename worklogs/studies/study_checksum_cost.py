@@ -1,6 +1,6 @@
 """What the checkpoint checksums cost: a DCP save of one rank's shard with and without them.
 
-    python scripts/study_checksum_cost.py [--gb 3] [--folder /tmp/checksum_cost] [--repeats 3]
+    python worklogs/studies/study_checksum_cost.py [--gb 3] [--folder /tmp/checksum_cost] [--repeats 3]
 
 Saves a state dict of --gb GiB of fp32 tensors (256 MiB each, the size of a large expert weight's
 shard) with DCP's FileSystemWriter and with our ChecksummedWriter (train/checksums.py), alternately,

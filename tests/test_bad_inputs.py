@@ -14,7 +14,6 @@ same line whether a config value comes from the TOML file or a flag. In-process,
 
 import ast
 import contextlib
-import hashlib
 import importlib.util
 import io
 import json
@@ -29,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from torchtitan_moe.hf import convert
 from torchtitan_moe.tools import check_config, plan
@@ -604,12 +604,12 @@ PREFIX = {"check_config": "config error: ", "plan": "config error: ", "convert":
 
 
 def snapshot(*folders: Path) -> dict[str, tuple[int, str]]:
-    """Every file under `folders`: path -> (size, sha1)."""
+    """Every file under `folders`: path -> (size, xxh3_64 of its bytes)."""
     out = {}
     for folder in folders:
         for path in sorted(Path(folder).rglob("*")) if Path(folder).exists() else []:
             if path.is_file():
-                out[str(path)] = (path.stat().st_size, hashlib.sha1(path.read_bytes()).hexdigest())
+                out[str(path)] = (path.stat().st_size, xxhash.xxh3_64(path.read_bytes()).hexdigest())
     return out
 
 
@@ -752,17 +752,15 @@ def test_the_launcher_adds_at_most_one_line_to_a_failed_run(exitcode, line, stat
     assert describe_failure(ChildFailedError("torchtitan_moe.train", {1: failure})) == (line, status)
 
 
-@pytest.mark.parametrize("extra, expected", [
-    (["--optimizer.lr", "-1"], "config error: [optimizer] lr = -1.0: must be a number >= 0"),
-    (["--nproc-per-node", "4"], "config error: --nproc-per-node 4: more than --nproc 2 (the processes of all nodes)"),
-])
-def test_the_launcher_script_prints_a_refusal_in_one_line_and_launches_nothing(tmp_path, extra, expected):
+def test_the_launcher_script_prints_a_refusal_in_one_line_and_launches_nothing(tmp_path):
+    # (a refusal a rank finds after launch, one line and no launcher report: tests/test_failures.py's launch)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHON=sys.executable, NPROC="2")
-    result = subprocess.run(["bash", "scripts/train.sh", DEBUG, *extra, "--job.dump_folder", str(tmp_path / "run")],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(["bash", "scripts/train.sh", DEBUG, "--optimizer.lr", "-1", "--job.dump_folder",
+                             str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert (result.stdout + result.stderr).strip().splitlines() == [expected]
+    assert (result.stdout + result.stderr).strip().splitlines() == [
+        "config error: [optimizer] lr = -1.0: must be a number >= 0"]
     assert not any(tmp_path.iterdir())  # no worker started
 
 

@@ -9,6 +9,7 @@ PLAN.json is a list of operations that every rank runs in order:
     {"refused": [override, ...], "out": path}  a run that must stop with a CheckpointError; rank 0 writes the line
     {"diverged": [override, ...], "out": path} a run that must stop with a NonFiniteError; rank 0 writes the line
     {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
+    {"prepare": [input, ...], "out": folder}   rank 0 tokenizes the inputs into token shards (bytes tokenizer)
     {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
     {"split_rows": out}                        the Hugging Face adapter on experts whose rows two ranks split
     {"train": [...], "experts": path}          also: rank 0 writes where layer 0's experts live after each step
@@ -44,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.components.data.prepare import prepare
 from torchtitan_moe.hf import convert
 
 from torchtitan_moe.tools import train_runs
@@ -331,6 +333,8 @@ def run_plan(plan: list[dict]) -> None:
                 refused(op["refused"], op["out"])
             elif "diverged" in op:
                 refused(op["diverged"], op["out"], NonFiniteError)
+            elif dist.get_rank() == 0 and "prepare" in op:
+                prepare(op["prepare"], op["out"], show_progress=False)
             elif dist.get_rank() == 0 and "copy" in op:
                 shutil.copytree(*op["copy"])
             elif dist.get_rank() == 0 and "to_hf" in op:

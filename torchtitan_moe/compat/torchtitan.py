@@ -28,6 +28,7 @@ from torchtitan.config import JobConfig as TorchtitanJobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.attention import FlexAttentionWrapper, create_attention_mask, get_causal_mask_mod
 from torchtitan.models.moe import MoE as TorchtitanMoE
 from torchtitan.models.moe import MoEArgs as TorchtitanMoEArgs
 from torchtitan.models.qwen3 import Qwen3Model as TorchtitanQwen3Model
@@ -53,6 +54,7 @@ __all__ = [
     "BaseTokenizer",
     "ConfigManager",
     "DataloaderExhaustedError",
+    "FlexAttentionWrapper",
     "IGNORE_INDEX",
     "MetricsProcessor",
     "ModelProtocol",
@@ -72,10 +74,12 @@ __all__ = [
     "build_lr_schedulers",
     "build_optimizers",
     "check_torchtitan_version",
+    "create_attention_mask",
     "data_parallel_mesh",
     "dist_utils",
     "enable_cpu_training",
     "exit_process",
+    "get_causal_mask_mod",
     "get_train_spec",
     "init_logger",
     "logger",

@@ -130,6 +130,19 @@ class Data:
     synthetic_successors: int = 4
     """Likely next tokens per token in the synthetic stream (lower: easier to learn)."""
 
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """dataset = 'shards': the sources, each a folder of token shards with its share of the samples,
+    e.g. [{path = "shards/web", weight = 0.7}, {path = "shards/code", weight = 0.3}] (weight: default 1).
+    Empty: the one source [training] dataset_path. Make shards with
+    `python -m torchtitan_moe.components.data.prepare` (docs/data.md)."""
+
+    shuffle_seed: int = 0
+    """dataset = 'shards': the seed of the samples' order (which source, which window, each epoch)."""
+
+    attention: Literal["causal", "document"] = "causal"
+    """'causal' over the whole sample, or 'document' (dataset = 'shards'): tokens attend only within their
+    own document and its RoPE positions restart at 0 (flex-attention on a GPU; a dense mask on the CPU)."""
+
     workers: int = 1
     """Processes that make the batches beside training (the DataLoader's num_workers). 0 makes them in the
     training process, between steps: the synthetic walk is a Python loop of about 3 ms a sequence of 4,096
@@ -198,7 +211,8 @@ class Metrics:
 @dataclass
 class Training:
     dataset: str = "synthetic"
-    """'synthetic' (learnable Markov stream, no files) or 'text' (local files at dataset_path)."""
+    """'synthetic' (learnable Markov stream, no files), 'text' (local files at dataset_path, tokenized as
+    read) or 'shards' (pretokenized shards: [data] sources, or the folder at dataset_path)."""
 
     on_nonfinite: Literal["stop", "skip_step", "warn"] = "stop"
     """A step whose loss or gradient norm is NaN or inf: 'stop' the run (one line naming the step and the
@@ -306,13 +320,16 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
         check_dispatch(cfg, ep)
 
     train = cfg.training
-    _need(train.dataset in ("synthetic", "text"), f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text'")
-    if train.dataset == "text":
+    _need(train.dataset in ("synthetic", "text", "shards"),
+          f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text', or 'shards' (token shards)")
+    if train.dataset == "text" or (train.dataset == "shards" and not cfg.data.sources):
         path = train.dataset_path
-        _need(bool(path) and os.path.exists(path), f"[training] dataset_path = {path!r}: no such file or folder (needed by dataset = 'text')")
+        _need(bool(path) and os.path.exists(path),
+              f"[training] dataset_path = {path!r}: no such file or folder (needed by dataset = {train.dataset!r})")
     elif train.dataset == "synthetic":
         _need(not train.dataset_path, f"[training] dataset_path = {train.dataset_path!r} is not read: dataset = "
               "'synthetic' makes its own tokens; set dataset = 'text' to train on the files, or unset dataset_path")
+    check_data_sources(cfg.data, train.dataset)
     tokenizer = cfg.data.tokenizer
     _need(
         tokenizer == "bytes" or os.path.isfile(tokenizer),
@@ -385,6 +402,22 @@ def check_data_parallel(replicate: int, shard: int, ep: int, world_size: int) ->
         f"[parallelism] expert_parallel_degree = {ep}: must divide the FSDP group size ({shard_size} "
         f"of {world_size} processes)",
     )
+
+
+def check_data_sources(data: Any, dataset: str) -> None:
+    """[data] sources, shuffle_seed and attention (the shards themselves: components/data/packed.py)."""
+    _need(not data.sources or dataset == "shards",
+          f"[data] sources are read by [training] dataset = 'shards' (this run's is {dataset!r})")
+    for i, source in enumerate(data.sources):
+        _need(set(source) <= {"path", "weight"} and isinstance(source.get("path"), str),
+              f"[data] sources[{i}] = {source!r}: expected {{path = \"FOLDER\", weight = W}} (weight: default 1)")
+        weight = source.get("weight", 1.0)
+        _need(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+              f"[data] sources[{i}] weight = {weight!r} (path {source['path']!r}): must be a number > 0")
+        _need(os.path.exists(source["path"]), f"[data] sources[{i}] path = {source['path']!r}: no such file or folder")
+    _need(data.attention == "causal" or dataset == "shards",
+          f"[data] attention = {data.attention!r} needs documents: [training] dataset = 'shards' (this run's is "
+          f"{dataset!r}; make shards with `python -m torchtitan_moe.components.data.prepare`)")
 
 
 def check_dispatch(cfg: Any, ep: int) -> None:

@@ -53,6 +53,8 @@ class BaselineArgs(TorchtitanQwen3ModelArgs):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
+        if job_config.data.attention == "document":  # torchtitan's own document masking: flex, from the EOS tokens
+            self.attn_type, self.attn_mask_type = "flex", "block_causal"
         if job_config.model.init_from == "qwen3_moe":
             self.ours = flavor_args(job_config.model.flavor)
             self.ours.update_from_config(job_config)

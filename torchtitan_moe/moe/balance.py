@@ -10,7 +10,8 @@ outputs. torchtitan 0.2.2's Qwen3 keeps such a bias but never updates it; this h
 The same single all-reduce also sums the layers' router losses; the reduced step statistics
 are left in `moe.last_tokens_per_expert` and `moe.last_router_losses` for logging and monitors.
 The hook also starts each step's global-batch counts afresh (moe/router_losses.py), over the
-data-parallel group it hands to the routers.
+data-parallel group it hands to the routers, with one GlobalCounts for all of them: every layer's
+counts in one all-reduce a micro-batch (moe/global_counts.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_moe.moe.global_counts import GlobalCounts
 from torchtitan_moe.moe.layer import MoE
 
 
@@ -37,8 +39,12 @@ def set_aux_loss_scale(model_parts: list[nn.Module], scale: float) -> None:
 def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-reduce (one collective) and clear the layers' step statistics -> loads [L, E] fp64.
 
-    Counts travel as float64, exact up to 2^53 tokens, so loads and router losses share it.
+    Counts travel as float64, exact up to 2^53 tokens, so loads and router losses share it. Global-batch
+    counts still waiting for their reduction (a forward no backward followed) are reduced first: their
+    losses' values belong to this step.
     """
+    for counts in {id(c): c for layer in layers if (c := layer.router.balance_counts) is not None}.values():
+        counts.reduce()
     stats = torch.stack(
         [torch.cat([layer.tokens_per_expert.double(), layer.router_loss_sums.double()]) for layer in layers]
     )
@@ -73,8 +79,10 @@ def register_balancing_hook(optimizers, model_parts: list[nn.Module], group: dis
     layers = moe_layers(model_parts)
     if not layers:
         return
+    counts = GlobalCounts(group)
     for layer in layers:
         layer.router.balance_group = group
+        layer.router.balance_counts = counts
 
     def hook(*args, **kwargs) -> None:
         update_expert_bias(layers, reduce_step_stats(layers, group))

@@ -113,13 +113,11 @@ class MoE(nn.Module):
         dtype = autocast_dtype(tokens.device)
         rows = tokens if dtype is None else tokens.to(dtype)
         self.dispatcher.send_tokens(rows)  # all_gather: the rows travel while the router runs
-        routing = self.router(tokens, seq_len=seq_len)
-        if self.training and not recomputing():  # count each real forward once
+        counted = self.training and not recomputing()  # count each real forward once
+        routing = self.router(tokens, seq_len=seq_len, loss_sums=self.router_loss_sums if counted else None)
+        if counted:
             with torch.no_grad():
                 self.tokens_per_expert.add_(routing.tokens_per_expert)
-                for i, loss in enumerate((routing.balance_loss, routing.z_loss)):
-                    if loss is not None:
-                        self.router_loss_sums[i] += loss.detach()
 
         if self.overlap == "chunks":  # two chunks, one's exchange under the other's experts (moe/chunks.py)
             out = chunked_forward(self.dispatcher, self.experts, rows, routing)

@@ -7,9 +7,9 @@
     training: balance loss and z-loss (moe/router_losses.py) ──► aux_loss, their weighted sum
 
 `route` is all of it but the global-batch balance loss, and is what torch.compile compiles
-(parallelize.apply_compile). That loss adds each micro-batch's counts to a running buffer, once per
-real forward: only eager code can tell a checkpointed recompute (seam.recomputing), so `forward`
-adds it around the compiled region.
+(parallelize.apply_compile). That loss leaves each micro-batch's counts for the one all-reduce of every
+layer's (moe/global_counts.py), once per real forward: only eager code can tell a checkpointed recompute
+(seam.recomputing), so `forward` adds it around the compiled region.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_moe import ops
+from torchtitan_moe.moe.global_counts import GlobalCounts, Pending, global_balance
 from torchtitan_moe.moe.options import RouterOptions, router_problem
 from torchtitan_moe.moe.router_losses import (
-    add_global_counts,
     balance_loss,
+    mean_scores,
     sequence_balance_loss,
     z_loss,
 )
 from torchtitan_moe.compat.collectives import gathered_rows
-from torchtitan_moe.dispatch.seam import Routing
+from torchtitan_moe.dispatch.seam import Routing, recomputing
 
 
 class Router(nn.Module):
@@ -58,6 +59,10 @@ class Router(nn.Module):
         # The data-parallel ranks whose tokens the global-batch loss counts (the trainer's
         # "loss" mesh, set by moe/balance.py); None: this process alone.
         self.balance_group: dist.ProcessGroup | None = None
+        # Where the global-batch loss's counts wait for their all-reduce (shared by the layers of a model:
+        # moe/balance.py), and this router's entry of its last real forward (a recompute reads it again).
+        self.balance_counts: GlobalCounts | None = None
+        self.balance_entry: Pending | None = None
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("global_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
@@ -72,14 +77,22 @@ class Router(nn.Module):
             self.expert_bias.zero_()
             self.global_counts.zero_()
 
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
-        """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss."""
+    def forward(self, x: torch.Tensor, seq_len: int | None = None, loss_sums: torch.Tensor | None = None) -> Routing:
+        """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss. `loss_sums` [2] fp32:
+        where this forward's balance loss and z-loss (before their coefficients) are added, each once its value
+        is known (the MoE layer's statistics); None: not counted (a recompute, a probe)."""
         weight = self.gate.weight
         if isinstance(weight, DTensor):  # sharded by rows outside FSDP2 (parallel/router_gate.py): gather it here
             weight = gathered_rows(weight)
         routing = self.route(x, seq_len, weight)
+        if loss_sums is not None:
+            with torch.no_grad():
+                for i, loss in enumerate((routing.balance_loss, routing.z_loss)):
+                    if loss is not None:
+                        loss_sums[i] += loss.detach()
         if self.options.balance_loss == "global_batch" and self.training and torch.is_grad_enabled():
-            balance = self.global_balance_loss(routing.scores, routing.tokens_per_expert)
+            sink = None if loss_sums is None else loss_sums[:1]
+            balance = self.global_balance_loss(routing.scores, routing.tokens_per_expert, sink)
             weighted = self.options.balance_loss_coeff * balance
             aux_loss = weighted if routing.aux_loss is None else weighted + routing.aux_loss
             routing = dataclasses.replace(routing, aux_loss=aux_loss, balance_loss=balance)
@@ -134,15 +147,23 @@ class Router(nn.Module):
             return sequence_balance_loss(scores, experts, seq_len)
         return balance_loss(scores, tokens_per_expert)
 
-    def global_balance_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def global_balance_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor,
+                            loss_sums: torch.Tensor | None = None) -> torch.Tensor:
         """The global-batch balance loss (before its coefficient): f from the step's counts so far on every
-        data-parallel rank, this micro-batch's included; P from `scores` [T, E]."""
+        data-parallel rank, this micro-batch's included; P from `scores` [T, E]. Across ranks its value is
+        known once the micro-batch's counts are reduced, and then added to `loss_sums` [1]
+        (moe/global_counts.py). A recompute adds no counts: it reads its forward's."""
         if self.balance_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(
                 "balance_loss = 'global_batch' under torch.distributed needs the data-parallel group: "
                 "set Router.balance_group (moe.balance.register_balancing_hook does)"
             )
-        return balance_loss(scores, add_global_counts(self.global_counts, tokens_per_expert, self.balance_group))
+        if self.balance_counts is None or self.balance_counts.group is not self.balance_group:
+            self.balance_counts = GlobalCounts(self.balance_group)
+        p = mean_scores(scores)
+        if not recomputing():
+            self.balance_entry = self.balance_counts.add(self.global_counts, tokens_per_expert, p, loss_sums)
+        return global_balance(p, self.balance_counts, self.balance_entry)
 
 
 def group_limited_topk(choice: torch.Tensor, top_k: int, n_groups: int, topk_groups: int) -> torch.Tensor:

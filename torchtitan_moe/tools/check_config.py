@@ -61,17 +61,18 @@ def check_process_counts(config, nproc: int | None, per_node: int | None) -> Non
 def check_what_the_run_reads(config, args, nproc: int | None) -> None:
     """What the run will read and write, checked as its ranks will: the dump folder free of another run, the
     data, and the checkpoint it would load (with its checksums)."""
-    from torchtitan_moe.components.data.check import check_data
+    from torchtitan_moe.components.data.check import check_text_data
     from torchtitan_moe.train.checkpoint import check_checkpoint_to_load
     from torchtitan_moe.train.run_folder import refuse_if_held
 
     refuse_if_held(config.job.dump_folder)
-    check_data(config, args.vocab_size, nproc)
+    check_text_data(config, args.vocab_size, nproc)
     if config.model.name == "qwen3_moe":
         check_checkpoint_to_load(config, args, nproc)  # FSDP and EP: every process is a data-parallel rank
 
 
 def check(argv: list[str]) -> str:
+    from torchtitan_moe.components.flops import causal_flops_per_token
     from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
 
     argv = list(argv)
@@ -93,7 +94,9 @@ def check(argv: list[str]) -> str:
     return (
         f"ok: {config.model.name} {config.model.flavor}: {total / 1e6:,.1f}M parameters, "
         f"{args.n_layers} layers x {moe.num_experts} experts (top-{moe.top_k}), "
-        f"{flops / 1e9:,.2f} GFLOP per token (training), EP = {config.parallelism.expert_parallel_degree}, "
+        f"{flops / 1e9:,.2f} GFLOP per token (training; causal count "
+        f"{causal_flops_per_token(flops, args, config.training.seq_len) / 1e9:,.2f}), "
+        f"EP = {config.parallelism.expert_parallel_degree}, "
         f"dispatch = {config.dispatch.backend}, kernels = {config.kernels.backend}"
         + (f", {nproc} processes" if nproc else "")
     )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+from torchtitan_moe.components.data import check_data
 from torchtitan_moe.config.sections import ConfigError, check_semantics
 from torchtitan_moe.config.structure import check_cli_keys, check_structure
 from torchtitan_moe.config.torchtitan_keys import check_tokenizer_file, check_torchtitan_keys
@@ -83,6 +84,7 @@ def load_job_config(argv: list[str] | None = None, world_size: int | None = None
     check_torchtitan_keys(config, world_size)
     if config.data.tokenizer != "bytes":
         check_tokenizer_file(config.data.tokenizer)
+    check_data(config, FLAVORS[config.model.flavor].vocab_size)  # every shard's header, before launch
     return config
 
 

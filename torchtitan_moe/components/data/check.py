@@ -1,15 +1,12 @@
-"""The data a run will read: said in one line at its start, and checked before launch (tools/check_config)
-with the same reader the ranks use, so a bad file is one line naming it (and its line) before any worker starts."""
+"""The data a run will read: said in one line at its start, and its text files checked before launch
+(tools/check_config) with the same reader the ranks use, so a bad file is one line naming it (and its line)
+before any worker starts."""
 
 from __future__ import annotations
 
 import os
 
-from torchtitan_moe.config.sections import ConfigError
-
-
-class DataError(ConfigError):
-    """The data cannot be read as the config says (one line naming the file, and the line where there is one)."""
+from torchtitan_moe.components.data.shards import DataError  # noqa: F401 (text.py raises it from here too)
 
 
 def describe_data(job_config) -> str:
@@ -25,12 +22,18 @@ def describe_data(job_config) -> str:
         size = sum(os.path.getsize(f) for f in files)
         return (f"text from {training.dataset_path}: {len(files)} .txt/.jsonl file{'s' * (len(files) != 1)}, "
                 f"{size / 2**20:,.1f} MiB, tokenizer {data.tokenizer}")
+    if training.dataset == "shards":
+        from torchtitan_moe.components.data.packed import source_specs
+
+        sources = source_specs(data, training.dataset_path)
+        return "token shards from " + ", ".join(f"{s.path} (weight {s.weight:g})" for s in sources)
     return f"{training.dataset} from {training.dataset_path}"
 
 
-def check_data(job_config, vocab_size: int, dp_ranks: int | None) -> None:
+def check_text_data(job_config, vocab_size: int, dp_ranks: int | None) -> None:
     """Read the run's text data as its ranks will (every file, every record) and its tokenizer's size, before
-    launch. `dp_ranks`: the run's data-parallel ranks, when known (each needs a document)."""
+    launch (token shards are checked by the data's own `check_data`, as the config loads). `dp_ranks`: the run's
+    data-parallel ranks, when known (each needs a document)."""
     if job_config.training.dataset != "text":
         return
     from torchtitan_moe.components.data.text import iter_documents, list_files

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from torchtitan_moe.components.flops import flops_per_token
 from torchtitan_moe.config.sections import moe_args
 from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.moe.options import MoEArgs
@@ -24,8 +25,8 @@ class Qwen3MoEArgs(BaseModelArgs):
     rope_theta: float = 1e6
     qk_norm: bool = True
     max_seq_len: int = 4096
-    attn_type: str = "sdpa"  # the torchtitan attention we reuse reads these two
-    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"  # the torchtitan attention we reuse reads these two: "flex" and
+    attn_mask_type: str = "causal"  # "block_causal" for [data] attention = "document"
     enable_weight_tying: bool = False
     moe: MoEArgs = field(default_factory=MoEArgs)
     init_seed: int | None = None  # [debug] seed: the init draws from it alone (None: the RNG as it is)
@@ -33,19 +34,20 @@ class Qwen3MoEArgs(BaseModelArgs):
     def update_from_config(self, job_config, **kwargs) -> None:
         """Apply [moe], [router], [kernels], the precision and the sequence length from the job config."""
         self.max_seq_len = job_config.training.seq_len
+        document = job_config.data.attention == "document"
+        self.attn_type, self.attn_mask_type = ("flex", "block_causal") if document else ("sdpa", "causal")
         self.init_seed = job_config.debug.seed
         self.moe = moe_args(job_config, self.moe)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Total parameters and training FLOPs per token (6 x active non-embedding params
-        + attention scores and values: 12 x layers x heads x head_dim x seq_len)."""
+        """Total parameters and training FLOPs per token in torchtitan's count (components/flops.py: 6 x active
+        non-embedding params + attention scores and values, 12 x layers x heads x head_dim x seq_len)."""
         total = sum(p.numel() for p in model.parameters())
         embedding = sum(p.numel() for p in model.tok_embeddings.parameters())
         experts = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
         active_experts = experts * self.moe.top_k // self.moe.num_experts
         active = total - embedding - experts + active_experts
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return total, 6 * active + attention
+        return total, flops_per_token(active, self.n_layers, self.n_heads, self.head_dim, seq_len)
 
 
 FLAVORS: dict[str, Qwen3MoEArgs] = {

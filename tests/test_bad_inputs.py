@@ -207,6 +207,7 @@ OTHERS = [
     (["--parallelism.data_parallel_shard_degree", "3", "--parallelism.expert_parallel_degree", "2"],
      "[parallelism] expert_parallel_degree = 2: must divide data_parallel_shard_degree (3)"),
     (["--dispatch.num_sms", "3"], "[dispatch] num_sms = 3: must be 0"),
+    (["--data.attention", "document"], "[data] attention = 'document' needs documents: [training] dataset = 'shards'"),
 ]
 
 # python -m torchtitan_moe.tools.plan's flags (after the config file).
@@ -418,6 +419,15 @@ FILES = [
     ("data tokenizer larger than the model", lambda t, f: text(t, text_files(t / "d", a__txt=b"one"), "--data.tokenizer",
                                                               big_tokenizer(t / "tok.json")),
      "has 3001 tokens but the model's vocab_size is 2048"),
+    # Token shards' sources ([data] sources: a TOML list of tables)
+    ("data sources without shards", lambda t, f: sources(t, f'{{path = "{t}"}}'),
+     "[data] sources are read by [training] dataset = 'shards' (this run's is 'synthetic')"),
+    ("data source without a path", lambda t, f: sources(t, '{folder = "x"}', "--training.dataset", "shards"),
+     "[data] sources[0] = {'folder': 'x'}: expected {path = \"FOLDER\", weight = W}"),
+    ("data source weight", lambda t, f: sources(t, f'{{path = "{t}", weight = -1}}', "--training.dataset", "shards"),
+     "[data] sources[0] weight = -1 (path "),
+    ("data source missing", lambda t, f: sources(t, '{path = "/nonexistent"}', "--training.dataset", "shards"),
+     "[data] sources[0] path = '/nonexistent': no such file or folder"),
     # The run folder: one writer at a time
     ("lock held here", lambda t, f: held(t, {}), f"is in use by another run (host {socket.gethostname()} pid {os.getpid()}"),
     ("lock held elsewhere", lambda t, f: held(t, {"host": "node-17", "pid": 4242}),
@@ -487,6 +497,12 @@ def big_tokenizer(path: Path) -> str:
     vocab = {f"w{i}": i for i in range(3000)} | {"<|endoftext|>": 3000}
     Tokenizer(WordLevel(vocab, unk_token="w0")).save(str(path))
     return str(path)
+
+
+def sources(tmp: Path, *tables_and_flags: str) -> list[str]:
+    """The debug config with [data] sources = [tables_and_flags[0]], and the flags after it."""
+    table, *flags = tables_and_flags
+    return [put(tmp / "c.toml", Path(DEBUG).read_text() + f"\n[data]\nsources = [{table}]\n"), *flags]
 
 
 def held(tmp: Path, holder: dict) -> list[str]:

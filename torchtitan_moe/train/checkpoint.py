@@ -127,10 +127,11 @@ def check_data_files(path: str, metadata) -> None:
             raise CheckpointError(f"{file} {what}; nothing was changed on disk; {_resume_hint(path)}")
 
 
-def check_checksums(path: str, split_over_ranks: bool = False) -> None:
+def check_checksums(path: str, split_over_ranks: bool = False, warn_if_absent: bool = True) -> None:
     """The step's data files against the checksums.json written with them (train/checksums.py); one line
     naming the first bad file and the newest good step. `split_over_ranks`: every rank of the initialized
-    process group calls this, and each hashes its share of the chunks."""
+    process group calls this, and each hashes its share of the chunks. A step saved without checksums is
+    let through, with a warning unless `warn_if_absent` is false."""
     import torch.distributed as dist
 
     from torchtitan_moe.train.checksums import CHECKSUMS_FILE, checksum_problem, read_manifest
@@ -138,7 +139,8 @@ def check_checksums(path: str, split_over_ranks: bool = False) -> None:
     rank, world = (dist.get_rank(), dist.get_world_size()) if split_over_ranks else (0, 1)
     try:
         if read_manifest(path) is None:
-            logger.warning(f"{path} has no {CHECKSUMS_FILE} (saved before checksums were written): not verified")
+            if warn_if_absent:
+                logger.warning(f"{path} has no {CHECKSUMS_FILE} (saved before checksums were written): not verified")
             return
         problem = checksum_problem(path, rank, world)
     except ValueError as e:
@@ -280,7 +282,7 @@ def _newest_full_step_before(folder: str, step: int | None) -> int | None:
             try:
                 metadata = read_dcp_metadata(path)
                 check_data_files(path, metadata)
-                check_checksums(path)
+                check_checksums(path, warn_if_absent=False)
             except CheckpointError:
                 continue  # unreadable too: look further back
             if "train_state.step" in metadata.state_dict_metadata:

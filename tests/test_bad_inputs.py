@@ -142,10 +142,10 @@ OTHERS = [
       "bfloat16", "--nproc", "2"], "[dispatch] backend = 'deepep': the deep_ep package cannot be imported"),
     (["--dispatch.backend", "deepep", "--parallelism.expert_parallel_degree", "4", "--training.mixed_precision_param",
       "bfloat16", "--nproc", "4", "--nproc-per-node", "2"], "EP would span nodes (2 processes per node)"),
-    (["--dispatch.backend", "all_gather"], "[dispatch] backend = 'all_gather' sends every token to every EP rank: "
-     "it takes [parallelism] expert_parallel_degree = 2, got 1"),
+    (["--dispatch.backend", "all_gather"], "[dispatch] backend = 'all_gather' needs [parallelism] "
+     "expert_parallel_degree = 2 (every token goes to every EP rank), got 1"),
     (["--dispatch.backend", "all_gather", "--parallelism.expert_parallel_degree", "2", "--dispatch.overlap", "chunks"],
-     "[dispatch] backend = 'all_gather' has no chunked overlap"),
+     "[dispatch] backend = 'all_gather' needs [dispatch] overlap = 'none' (its exchanges finish where they start)"),
     (["--dispatch.num_sms", "32", "--dispatch.backend", "all_to_all", "--parallelism.expert_parallel_degree", "2"],
      "[dispatch] num_sms = 32 sets DeepEP's SMs"),
     (["--dispatch.overlap", "chunks"], "[dispatch] overlap = 'chunks' overlaps the exchanges between EP ranks: it needs "
@@ -162,7 +162,7 @@ OTHERS = [
       "bfloat16", "--nproc", "12", "--nproc-per-node", "6"], "EP would span nodes (6 processes per node)"),
     (["--dispatch.backend", "deepep", "--parallelism.expert_parallel_degree", "4", "--training.mixed_precision_param",
       "bfloat16", "--parallelism.data_parallel_replicate_degree", "2", "--nproc", "8", "--nproc-per-node", "2"],
-     "use backend = 'all_to_all' there"),
+     "EP would span nodes (2 processes per node); use 'all_to_all' or 'auto'"),
     (["--training.global_batch_size", "24", "--nproc", "2"], "[training] global_batch_size = 24: must be a multiple"),
     (["--training.dataset", "text", "--training.dataset_path", "/nonexistent"], "[training] dataset_path = '/nonexistent'"),
     (["--nproc", "0"], "--nproc '0': must be a number of processes >= 1"),

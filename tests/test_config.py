@@ -60,7 +60,7 @@ def test_cli_overrides_apply():
         ({"moe__top_k": 9}, "[moe] top_k = 9: must be in 1..num_experts (8)"),
         ({"moe__align": 12}, "[moe] align = 12: must be one of 8, 16, 32"),
         ({"parallelism__expert_parallel_degree": 3}, "expert_parallel_degree = 3: must divide [moe] num_experts (8)"),
-        ({"parallelism__expert_parallel_degree": 2, "dispatch__backend": "local"}, "[dispatch] backend = 'local' needs expert_parallel_degree = 1"),
+        ({"parallelism__expert_parallel_degree": 2, "dispatch__backend": "local"}, "[dispatch] backend = 'local' needs [parallelism] expert_parallel_degree = 1"),
         ({"dispatch__backend": "all_to_all"}, "needs [parallelism] expert_parallel_degree > 1"),
         ({"parallelism__tensor_parallel_degree": 2}, "tensor_parallel_degree = 2: qwen3_moe supports FSDP and EP only"),
         ({"router__init_std": -1.0}, "[router] init_std = -1.0: must be >= 0"),

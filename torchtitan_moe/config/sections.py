@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from torchtitan_moe.dispatch import registry
 from torchtitan_moe.moe.options import MoEArgs, MoEOptions, RouterOptions, moe_problem
 from torchtitan_moe.moe.router_losses import BalanceLoss
 
@@ -71,11 +72,12 @@ class Router(RouterOptions):  # the flavor's scores unless set, and Qwen3's bala
 
 @dataclass
 class Dispatch:
-    backend: Literal["auto", "local", "all_to_all", "deepep", "all_gather"] = "auto"
-    """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed,
-    one copy of a token per destination rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8
-    on one node), 'all_gather' (EP = 2 on one node: every token to both ranks on the GPUs' copy
-    engines, no SM held), 'auto' (local at EP = 1; else the faster one in tuned_file, or all_to_all)."""
+    backend: Literal[("auto", *registry.NAMES)] = "auto"
+    """How tokens reach their experts: a dispatcher of torchtitan_moe/dispatch/registry.py, where each says
+    what it takes: 'local' (EP = 1), 'all_to_all' (torch.distributed, one copy of a token per destination
+    rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8 on one node), 'all_gather' (EP = 2 on one node:
+    every token to both ranks on the GPUs' copy engines, no SM held); or 'auto' (local at EP = 1; else the
+    fastest in tuned_file that this run can use, else all_to_all)."""
 
     tuned_file: str = ""
     """Your own dispatcher timings and DeepEP settings (`python -m torchtitan_moe.tools.tune_dispatch`
@@ -420,37 +422,56 @@ def check_data_sources(data: Any, dataset: str) -> None:
           f"{dataset!r}; make shards with `python -m torchtitan_moe.components.data.prepare`)")
 
 
+# The run's facts as a dispatcher's problem names them here (dispatch/registry.py: Run, Entry.problem).
+DISPATCH_KEYS = {"ep": "[parallelism] expert_parallel_degree", "overlap": "[dispatch] overlap",
+                 "buffers": "[dispatch] buffers", "param_dtype": "[training] mixed_precision_param"}
+
+
+def dispatch_run(cfg: Any, ep: int, **facts: Any) -> registry.Run:
+    """The config's run as the dispatchers' rules read it (`facts`: what only the caller knows, e.g.
+    procs_per_node, gpus, shapes)."""
+    return registry.Run(ep=ep, overlap=cfg.dispatch.overlap, buffers=cfg.dispatch.buffers,
+                        param_dtype=cfg.training.mixed_precision_param, **facts)
+
+
+def dispatch_instead(name: str, run: registry.Run) -> str:
+    """"; use ..." with what to set instead of [dispatch] backend = name: the other dispatchers that take
+    `run`, and 'auto' (which picks among them); "" where none does (the problem says what to change)."""
+    others = [repr(e.name) for e in registry.usable(run) if e.name != name]
+    if not others:
+        return ""
+    others.append("'auto'")
+    return f"; use {', '.join(others[:-1])} or {others[-1]}"
+
+
+def dispatch_refusal(name: str, run: registry.Run) -> str | None:
+    """[dispatch] backend = name against `run`, in one line naming the keys; None where it takes the run."""
+    problem = registry.get(name).problem(run, DISPATCH_KEYS)
+    if problem is None:
+        return None
+    return f"[dispatch] backend = {name!r} {problem}{dispatch_instead(name, run)}"
+
+
+def dispatch_unavailable(name: str, run: registry.Run, why: Any) -> str:
+    """[dispatch] backend = name cannot run on this machine (`why`: the dispatcher's one line)."""
+    return f"[dispatch] backend = {name!r}: {why}{dispatch_instead(name, run)}"
+
+
 def check_dispatch(cfg: Any, ep: int) -> None:
-    """[dispatch] against the EP degree and the precision."""
+    """[dispatch] against the EP degree and the precision (each dispatcher's rules: dispatch/registry.py)."""
     backend = cfg.dispatch.backend
-    _need(
-        not (backend == "local" and ep > 1),
-        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all'",
-    )
-    _need(
-        not (backend == "all_to_all" and ep == 1),
-        f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
-    )
-    if backend == "deepep":
-        _need(ep in (2, 4, 8), f"[dispatch] backend = 'deepep' needs [parallelism] expert_parallel_degree 2, 4 or 8 "
-                               f"(DeepEP's intranode kernels), got {ep}")
-        precision = cfg.training.mixed_precision_param
-        _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
-                                       f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
-    if backend == "all_gather":
-        _need(ep == 2, f"[dispatch] backend = 'all_gather' sends every token to every EP rank: it takes "
-                       f"[parallelism] expert_parallel_degree = 2, got {ep}; use 'deepep' or 'all_to_all'")
-        _need(cfg.dispatch.overlap == "none", f"[dispatch] backend = 'all_gather' has no chunked overlap (its "
-                                              f"exchanges finish where they start): set overlap = 'none', got "
-                                              f"{cfg.dispatch.overlap!r}")
+    if backend != "auto":
+        refusal = dispatch_refusal(backend, dispatch_run(cfg, ep))
+        _need(refusal is None, refusal)
     _need(cfg.dispatch.overlap == "none" or ep > 1,
           f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
           f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")
     num_sms = cfg.dispatch.num_sms
     _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
           f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")
-    _need(num_sms == 0 or backend in ("deepep", "auto"),
-          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
+    tuned = [e.name for e in registry.DISPATCHERS.values() if e.tuned] + ["auto"]
+    _need(num_sms == 0 or backend in tuned,
+          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = {' or '.join(map(repr, tuned))}")
 
 
 def config_key(key: str) -> str:

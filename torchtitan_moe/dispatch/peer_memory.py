@@ -39,12 +39,14 @@ import socket
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.dispatch.seam import Unavailable
+
 SLOTS = 3
 _ALIGN = 256  # bytes: each tensor of a message starts aligned, so views of any dtype are
 _GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 
 
-class PeerMemoryUnavailable(RuntimeError):
+class PeerMemoryUnavailable(Unavailable):
     """Symmetric memory or peer access is missing; the message says what and what to do instead."""
 
 

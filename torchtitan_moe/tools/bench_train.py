@@ -68,11 +68,12 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_moe.dispatch import registry
 from torchtitan_moe.tools import gpu_power, step_profile
 from torchtitan_moe.tools.parity import log_tail, override, run_training, settings_from, split_overrides
 from torchtitan_moe.tools.parity_report import read_metrics
 
-MODELS = ("torchtitan", "local", "all_to_all", "deepep", "all_gather")
+MODELS = ("torchtitan", *registry.NAMES)  # torchtitan's MoE, or ours with one of our dispatchers
 ROUTERS = ("learned", "balanced")
 MODES = ("eager", "compiled")
 LOSS_WINDOW = 10  # steps averaged in the eager-vs-compiled loss comparison
@@ -109,8 +110,10 @@ class Variant:
         return args
 
 
-def available_models(ep: int) -> list[str]:
-    ours = ["local"] if ep == 1 else ["all_to_all"] + (["deepep"] if importlib.util.find_spec("deep_ep") else [])
+def available_models(ep: int, param_dtype: str = "bfloat16") -> list[str]:
+    """torchtitan's (on CUDA), and ours with every dispatcher that takes the run and whose library is here."""
+    run = registry.Run(ep, param_dtype=param_dtype)
+    ours = [e.name for e in registry.usable(run) if e.missing is None or e.missing() is None]
     return (["torchtitan"] if torch.cuda.is_available() else []) + ours
 
 
@@ -396,13 +399,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def config_value(config: str, extra: list[str], key: str, default: int) -> int:
-    """An integer `section.key` as the run will see it: the overrides first, then the TOML."""
+def config_value(config: str, extra: list[str], key: str, default):
+    """`section.key` as the run will see it, of `default`'s type: the overrides first, then the TOML."""
     from torchtitan_moe.train.job_config import cli_value, read_toml
 
     value = cli_value(extra, key)
     if value is not None:
-        return int(value)
+        return type(default)(value)
     section, name = key.split(".")
     return read_toml(config).get(section, {}).get(name, default)
 
@@ -414,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     local_batch = config_value(args.config, args.extra, "training.local_batch_size", 8)  # torchtitan's default
     seq_len = config_value(args.config, args.extra, "training.seq_len", 2048)  # torchtitan's default
     seed = config_value(args.config, args.extra, "debug.seed", args.seed)
-    models = args.models.split(",") if args.models else available_models(ep)
+    param_dtype = config_value(args.config, args.extra, "training.mixed_precision_param", "bfloat16")  # torchtitan's
+    models = args.models.split(",") if args.models else available_models(ep, param_dtype)
     devices = gpu_power.run_devices(nproc) if args.gpu_power else []  # the GPUs the runs use: before anything trains
     if args.gpu_power and not args.report:
         gpu_power.nvidia_smi()

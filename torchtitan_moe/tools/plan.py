@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 from torchtitan_moe.components.flops import flops_per_token
 from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.dispatch import registry
 
 GIB = 1024**3
 USAGE = ("usage: python -m torchtitan_moe.tools.plan CONFIG --nodes N --gpus-per-node G [--gpu h200|h100|b200] "
@@ -153,7 +154,7 @@ class Layout:
     ep: int
     replicate: int  # HSDP replicas (1: FSDP over every GPU)
     ac: str  # "none", "full", or "selective" (op-level: the breakdown's estimate)
-    dispatcher: str = "local"  # local (EP 1), all_to_all, deepep (EP 2, 4, 8 inside a node)
+    dispatcher: str = "local"  # one of dispatchers(ep, gpus_per_node)
 
     @property
     def world(self) -> int:
@@ -393,9 +394,10 @@ def step_seconds(shape: Shape, layout: Layout, run: Run, gpu: Gpu, accum: int = 
 
 
 def dispatchers(ep: int, gpus_per_node: int) -> list[str]:
-    if ep == 1:
-        return ["local"]
-    return ["all_to_all", "deepep"] if ep in (2, 4, 8) and ep <= gpus_per_node else ["all_to_all"]
+    """The dispatchers that take a bf16 run at this EP (dispatch/registry.py) and whose exchange is modelled
+    here: measured (EFFICIENCY), or none at EP = 1."""
+    run = registry.Run(ep, procs_per_node=gpus_per_node)
+    return [e.name for e in registry.usable(run) if ep == 1 or any(d == e.name for d, _ in EFFICIENCY)]
 
 
 def layouts(nodes: int, gpus_per_node: int, experts: int) -> list[Layout]:

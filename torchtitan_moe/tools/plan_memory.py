@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchtitan_moe.tools.plan import FIT_SHARE, GIB, Gpu, Layout, Run, Shape, memory, memory_items
+from torchtitan_moe.tools.plan import FIT_SHARE, GIB, Gpu, Layout, Run, Shape, dispatchers, memory, memory_items
 
 
 def config_layout(config, nodes: int, gpus_per_node: int) -> Layout:
@@ -30,8 +30,8 @@ def config_layout(config, nodes: int, gpus_per_node: int) -> Layout:
                           "and 'selective' with selective_ac_option = 'op'")
     p = config.parallelism
     ep, replicate = p.expert_parallel_degree, max(p.data_parallel_replicate_degree, 1)
-    backend = config.dispatch.backend
-    dispatcher = "local" if ep == 1 else (backend if backend in ("all_to_all", "deepep") else "all_to_all")
+    modelled = dispatchers(ep, gpus_per_node)  # the registry's that the planner models, its default first
+    dispatcher = config.dispatch.backend if config.dispatch.backend in modelled else modelled[0]
     return Layout(nodes, gpus_per_node, ep, replicate, config.activation_checkpoint.mode, dispatcher)
 
 

@@ -110,6 +110,12 @@ class Checks:
     monitor_freq: int = 10
     """Run the training-health monitors every N steps (0: off)."""
 
+    hang_timeout: float = -1.0
+    """Seconds a step (or a save) may take before the run is taken as hung: every rank's stack is written to
+    <dump_folder>/hang/ and the run stops in one line naming where each rank waits (train/watchdog.py).
+    -1: 90% of the collectives' own timeout ([comm] init_timeout_seconds until step 1, then
+    train_timeout_seconds), so the stacks come before the collective's error; 0: off."""
+
     init_fingerprint: bool = False
     """Write <dump_folder>/init_fingerprint.json before step 1: per weight, in torchtitan's Qwen3
     names, its sum and sum of squares in float64 (the parity harness checks runs start alike)."""
@@ -210,6 +216,11 @@ class Training:
     """'synthetic' (learnable Markov stream, no files), 'text' (local files at dataset_path, tokenized as
     read) or 'shards' (pretokenized shards: [data] sources, or the folder at dataset_path)."""
 
+    on_nonfinite: Literal["stop", "skip_step", "warn"] = "stop"
+    """A step whose loss or gradient norm is NaN or inf: 'stop' the run (one line naming the step and the
+    last good checkpoint, exit status 3, nothing saved from it on), 'skip_step' (its update skipped, with a
+    warning; a host sync per step) or 'warn' (train on). A save from NaN weights is refused whatever this says."""
+
 
 @dataclass
 class JobConfig:
@@ -278,6 +289,8 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _refuse(moe_problem(layer, config_key))
     _need(cfg.metrics.peak_tflops >= 0, f"[metrics] peak_tflops = {cfg.metrics.peak_tflops}: must be >= 0 (0: from the GPU)")
     _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
+    hang = cfg.checks.hang_timeout
+    _need(hang == -1 or hang >= 0, f"[checks] hang_timeout = {hang}: must be seconds > 0, 0 (off) or -1 (from [comm]'s timeouts)")
 
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
         degree = getattr(par, key)
@@ -315,6 +328,9 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
         path = train.dataset_path
         _need(bool(path) and os.path.exists(path),
               f"[training] dataset_path = {path!r}: no such file or folder (needed by dataset = {train.dataset!r})")
+    elif train.dataset == "synthetic":
+        _need(not train.dataset_path, f"[training] dataset_path = {train.dataset_path!r} is not read: dataset = "
+              "'synthetic' makes its own tokens; set dataset = 'text' to train on the files, or unset dataset_path")
     check_data_sources(cfg.data, train.dataset)
     tokenizer = cfg.data.tokenizer
     _need(

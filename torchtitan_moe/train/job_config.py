@@ -38,11 +38,20 @@ def cli_value(argv: list[str], key: str) -> str | None:
 def read_toml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--job.config_file {path}: no such file")
-    with open(path, "rb") as f:
-        try:
-            return tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"--job.config_file {path}: cannot be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}): a TOML file must be UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 
 def with_custom_config_module(argv: list[str], toml_values: dict) -> list[str]:

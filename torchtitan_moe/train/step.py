@@ -27,7 +27,9 @@ The same arithmetic: the loss of each micro-batch is its summed loss / the globa
 valid tokens (a device tensor here; in torchtitan's data-parallel branch a Python number, which
 CUDA's division turns into a multiplication by its reciprocal: the same for power-of-two counts,
 within one ulp otherwise), clipping, the optimizer and the scheduler as torchtitan calls them,
-and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choice).
+and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choice). A step whose loss
+or gradient norm is not finite is stopped, skipped or let through as [training] on_nonfinite says
+(train/divergence.py): the verdict travels with the logged values, read back with them.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def train_step(trainer, data_iterator) -> None:
         ep_enabled=dims.ep_enabled,
     )
     trainer.checkpointer.maybe_wait_for_staging()
-    trainer.optimizers.step()
-    trainer.lr_schedulers.step()
     loss = torch.sum(torch.stack(losses))
+    if trainer.nonfinite.allows_update(trainer.step, loss, grad_norm):  # [training] on_nonfinite (train/divergence.py)
+        trainer.optimizers.step()
+        trainer.lr_schedulers.step()
     previous, trainer.pending_log = trainer.pending_log, None
     if trainer.metrics_processor.should_log(trainer.step):
         trainer.pending_log = start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tokens)
@@ -142,7 +145,7 @@ class PendingLog:
     lr: float
     ntokens_seen: int  # where no reduction over ranks counts it (else values["ntokens_seen"])
     ntokens: int  # this rank's tokens since the last logged step, the line's throughput
-    values: HostCopies  # loss, max_loss, grad_norm (+ ntokens_seen) and the metrics' StepState tensors
+    values: HostCopies  # loss, max_loss, grad_norm, nonfinite (+ ntokens_seen) and the metrics' StepState tensors
     stale_names: list[str]
     end: Mark  # the step's end, its log's reductions and copies included
 
@@ -152,9 +155,10 @@ def start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tok
     tokens seen (reduced over the loss mesh), the gradient norm and the metrics' StepState, each on its way
     to the host behind one event; nothing waits here."""
     dims = trainer.parallel_dims
-    values = {"loss": loss, "max_loss": loss, "grad_norm": grad_norm}
+    values = {"loss": loss, "max_loss": loss, "grad_norm": grad_norm, "nonfinite": trainer.nonfinite.first.clone()}
     loss_mesh = dims.get_optional_mesh("loss") if dims.dp_cp_enabled else None
     if loss_mesh is not None:
+        values["nonfinite"] = all_reduce(trainer.nonfinite.first, "min", loss_mesh)  # the earliest on any rank
         # loss = this rank's summed loss / the global count: summed over ranks, the global mean;
         # times global / local count, this rank's own mean.
         values["loss"] = all_reduce(loss, "sum", loss_mesh)
@@ -180,6 +184,8 @@ def finish_log(trainer, pending: PendingLog) -> None:
                                   float(values["grad_norm"]), extra_metrics={"n_tokens_seen": ntokens_seen,
                                                                              "lr": pending.lr},
                                   state=state, ntokens=pending.ntokens, elapsed=elapsed)
+    checkpointer = trainer.checkpointer
+    trainer.nonfinite.check(int(values["nonfinite"]), checkpointer.folder if checkpointer.enable else None)
 
 
 def flush_log(trainer) -> None:

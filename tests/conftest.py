@@ -11,7 +11,10 @@ Shared across the session: `debug_seed` (the debug config's seed checkpoint, wri
 `parity_out` (a parity --out folder that already holds it).
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,13 +23,26 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# No compile caches, here or in the processes tests start: a cached graph keeps an op's old
-# registered backward after the op changes (a halved exchange gradient passed a compiled test).
-os.environ["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
-torch.compiler.config.force_disable_caches = True
+# No graph caches, here or in the processes tests start: a cached graph keeps an op's old registered
+# backward after the op changes (a halved exchange gradient passed a compiled test), and a profile of
+# earlier compiles would change what a later test compiles. Inductor's kernels are keyed by their
+# generated source, so they share one cache for the session (fresh each session, removed at its end):
+# compiled once, not once per rank and per test (a C++ build is seconds on the CPU).
+os.environ.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
+                  TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO="0", TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO="0",
+                  TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="torchinductor-tests-"))
+os.environ.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 # Inductor compiles in the process that traces: on 2 cores its pool of compile workers (started per
 # process, each importing torch) cost more than it saved (the compiled parity test 37-43 s, not 41-51 s).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+import torch._dynamo.config  # noqa: E402  (after the environment: inductor's config reads it once)
+import torch._functorch.config  # noqa: E402
+import torch._inductor.config  # noqa: E402
+
+torch._inductor.config.fx_graph_cache = False
+torch._functorch.config.enable_autograd_cache = False
+torch._dynamo.config.automatic_dynamic_local_pgo = False
 
 
 def pytest_collection_modifyitems(items):

@@ -1,5 +1,5 @@
 """HSDP x EP on the CPU (gloo): 4 processes as replicate 2 x shard 2 with EP = 2
-train the debug model like ONE process that reads the same global batch, over 20 steps in fp32,
+train the debug model like ONE process that reads the same global batch, over 10 steps in fp32,
 with activation checkpointing off and on, and so do 4 replicas of shard 1 (EP 1); a checkpoint saved under HSDP resumes under FSDP and under
 EP = 1 like a resume in the same layout.
 
@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo path"),
 ]
 
-STEPS, SAVED = 20, 16  # the HSDP run saves step 16; the resumes train 17..20
+STEPS, SAVED = 10, 8  # the HSDP run saves step 8; the resumes train 9 and 10
 COMMON = [
     "--training.local_batch_size", "2", "--training.seq_len", "64", "--training.steps", str(STEPS),
     "--router.balance_loss", "global_batch", "--router.balance_loss_coeff", "0.01",  # + the debug expert-bias update
@@ -38,7 +38,7 @@ COMMON = [
 ]
 HSDP = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "2"]
 RESUME = ["--checkpoint.enable", "--checkpoint.interval", str(SAVED)]
-# name: the overrides of each resumed run (every one from the HSDP run's step 16)
+# name: the overrides of each resumed run (every one from the HSDP run's step 8)
 RESUMES = {
     "same layout": HSDP,
     "FSDP": ["--parallelism.expert_parallel_degree", "2"],

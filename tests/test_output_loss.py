@@ -22,7 +22,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def debug_model(kernels: str) -> Qwen3MoEModel:
     args = flavor_args("debug")
     args.moe = dataclasses.replace(args.moe, kernels=kernels)
-    args.vocab_size, args.max_seq_len = 300, 32
+    # One block feeds the output layer, whose loss and gradients are compared (each MoE block costs
+    # seconds under the Triton interpreter).
+    args.vocab_size, args.max_seq_len, args.n_layers = 300, 32, 1
     torch.manual_seed(0)
     model = Qwen3MoEModel(args).to(DEVICE)
     with torch.no_grad():

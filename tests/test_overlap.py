@@ -29,7 +29,6 @@ from torch.utils.checkpoint import checkpoint
 from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
 from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
-from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
 from torchtitan_moe.moe.chunks import chunk_bounds, split_routing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +234,9 @@ def test_backward_exchanges_run_on_the_communication_stream():
 
 
 def working_copy_worker(rank: int, world: int, port: int, failures):
+    # Imported here: the model's module brings torchtitan, which the other workers' processes need not import.
+    from torchtitan_moe.models.qwen3_moe.parallelize import keep_experts_unsharded
+
     with rank_group(rank, world, port, failures):
         results, kept = [], []
         for overlap in ("none", "chunks"):

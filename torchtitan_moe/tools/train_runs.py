@@ -42,9 +42,13 @@ def shared_group(argv: list[str]):
     # torchtitan's train() ends with a 2 s sleep on rank 0 "for other ranks"; the barrier after each run does that.
     sleep = time.sleep
     time.sleep = lambda seconds: None if seconds == 2 else sleep(seconds)
+    # What is alive now (the imported modules: torch, torchtitan, ...) lives as long as the process: kept
+    # out of the collections after each run, which then walk only what the runs made (0.3 s a run less).
+    gc.freeze()
     try:
         yield
     finally:
+        gc.unfreeze()
         time.sleep = sleep
         dist.destroy_process_group()
 

@@ -5,7 +5,7 @@
 
 On 2 H200s at local batch 4 (Qwen3-30B-A3B, EP = 2: each rank's 64 experts get the rows of both ranks'
 32,768 tokens) the grouped GEMMs take 52 ms of a 216 ms step at 574-682 TFLOP/s, all in one CUTLASS
-configuration (cooperative, 128 x 256 x 64), slowest where K is short (worklogs/2026-11-27-session13-h200x2.md).
+configuration (cooperative, 128 x 256 x 64), slowest where K is short.
 torch.compile's max-autotune can lower `aten._grouped_mm` to a persistent TMA Triton template with its own
 tile configurations (torch/_inductor/kernel/mm_grouped.py); this times it, alone (max_autotune_gemm_backends
 = "TRITON"), against the ATen call on every GEMM of one layer's forward and backward:

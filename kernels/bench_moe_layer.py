@@ -32,7 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _bench import measure_ceilings, median_us  # noqa: E402
 
-from torchtitan_moe.moe import MoE, MoEArgs  # noqa: E402
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions  # noqa: E402
 from torchtitan_moe.moe.router import balanced_experts  # noqa: E402
 from torchtitan_moe.compat.torchtitan import TorchtitanMoE, TorchtitanMoEArgs  # noqa: E402
 
@@ -46,7 +46,7 @@ class Shape:
 
 def ours(s: Shape, kernels: str, balanced: bool) -> MoE:
     layer = MoE(MoEArgs(num_experts=s.experts, top_k=s.top_k, inter_dim=s.inter, padding="auto", kernels=kernels,
-                        force_balance=balanced, bias_update_rate=0.0), s.dim)
+                        router=RouterOptions(force_balance=balanced, bias_update_rate=0.0)), s.dim)
     layer.to("cuda")
     with torch.no_grad():
         layer.init_weights(out_std=0.02 / 2**0.5, buffer_device=torch.device("cuda"))

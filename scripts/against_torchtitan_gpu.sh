@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Ours against torchtitan 0.2.2's Qwen3-MoE from identical weights on one GPU (issue 22):
+# Ours against torchtitan 0.2.2's Qwen3-MoE from identical weights on one GPU:
 #   bash scripts/against_torchtitan_gpu.sh OUT [CONFIG] [STEPS] [-- overrides]
 # ONLY="ours as torchtitan;ours" (';'-separated setting names) trains a subset besides torchtitan,
 # so the 7 runs of 30b-a3b-8l can be split over calls; OUT gets parity.md, parity.png, the logs.

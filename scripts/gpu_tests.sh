@@ -2,11 +2,10 @@
 # The GPU tier: bash scripts/gpu_tests.sh [OUT] [all | kernels | e2e | TEST_PATH ...]
 #
 # `kernels` (tests/ops, test_moe_layer, test_output_loss) and `e2e` (the files with `gpu` tests)
-# split it in two for machines lent by the call: on one H200 the whole tier took about 7 minutes at
-# 1dc59d4 and no longer fits a 400 s call at e072997. On 2 H200s at 4eeedc2: the kernel half 372 s (307 s at 47d5f44); the e2e
-# half over 600 s (its one-GPU tests 262 s with one GPU visible, its two-GPU tests past 300 s): two calls.
+# split it in two for machines lent a few minutes at a time: on 2 H200s the kernel half takes about 6
+# minutes and the e2e half over 10 (its one-GPU tests ~4.5 minutes, its two-GPU tests past 5): two calls.
 # Test paths instead of a part run just those (pytest's node ids too), e.g. the e2e half's files a few
-# at a time: at 933921d on 2 H200s its first five files and test_gpu_e2e's first test took 540 s.
+# at a time.
 #
 # Runs, on the GPU, the op and layer tests and every file with tests marked `gpu` (what the CPU
 # tier cannot do):
@@ -43,7 +42,7 @@ case "$part" in
         part="${selected// /, }" ;;
     *) echo "gpu tier: part '$part': expected all, kernels, e2e or test paths under tests/"; exit 2 ;;
 esac
-# NVLink SHARP / multicast stay off on the lent machines (see the worklogs).
+# NVLink SHARP / multicast stay off on the lent machines.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$out"
 

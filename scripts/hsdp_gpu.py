@@ -1,4 +1,4 @@
-"""HSDP on GPUs (issue 23): replication over 2 GPUs equals 1 GPU that reads both ranks' batches.
+"""HSDP on GPUs: replication over 2 GPUs equals 1 GPU that reads both ranks' batches.
 
     python scripts/hsdp_gpu.py OUT [--steps 20] [--rtol 1e-4] [-- --section.key value ...]
 

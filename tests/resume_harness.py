@@ -7,7 +7,9 @@ PLAN.json is a list of operations that every rank runs in order:
                                                (+ "data_of_ranks": N: one process reads, each step, the batches
                                                of N data-parallel ranks side by side: N ranks' tokens at once)
     {"refused": [override, ...], "out": path}  a run that must stop with a CheckpointError; rank 0 writes the line
+    {"diverged": [override, ...], "out": path} a run that must stop with a NonFiniteError; rank 0 writes the line
     {"copy": [src, dst]}                       rank 0 copies a folder (a step folder into another run's)
+    {"prepare": [input, ...], "out": folder}   rank 0 tokenizes the inputs into token shards (bytes tokenizer)
     {"to_hf": [step_folder, out]}              rank 0 runs `convert to-hf --dtype float32 --drop-expert-bias`
     {"split_rows": out}                        the Hugging Face adapter on experts whose rows two ranks split
     {"train": [...], "experts": path}          also: rank 0 writes where layer 0's experts live after each step
@@ -43,10 +45,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.components.data.prepare import prepare
 from torchtitan_moe.hf import convert
 
 from torchtitan_moe.tools import train_runs
 from torchtitan_moe.train.checkpoint import CheckpointError
+from torchtitan_moe.train.divergence import NonFiniteError
 from torchtitan_moe.compat.torchtitan import DataloaderExhaustedError, Trainer, replace_clip_grad_norm
 from torchtitan_moe.tools.train_runs import shared_group
 
@@ -211,14 +215,14 @@ def host_syncs(overrides: list[str], out: str) -> None:
         Path(out).write_text(json.dumps(counts))
 
 
-def refused(overrides: list[str], out: str) -> None:
+def refused(overrides: list[str], out: str, error: type[BaseException] = CheckpointError) -> None:
     try:
         train(overrides)
-    except CheckpointError as e:
+    except error as e:
         if dist.get_rank() == 0:
             Path(out).write_text(str(e))
         return
-    raise AssertionError(f"the run {overrides} was not refused")
+    raise AssertionError(f"the run {overrides} was not stopped by a {error.__name__}")
 
 
 def train_recording_experts(overrides: list[str], out: str, in_fsdp: bool) -> None:
@@ -327,6 +331,10 @@ def run_plan(plan: list[dict]) -> None:
                 host_syncs(op["host_syncs"], op["out"])
             elif "refused" in op:
                 refused(op["refused"], op["out"])
+            elif "diverged" in op:
+                refused(op["diverged"], op["out"], NonFiniteError)
+            elif dist.get_rank() == 0 and "prepare" in op:
+                prepare(op["prepare"], op["out"], show_progress=False)
             elif dist.get_rank() == 0 and "copy" in op:
                 shutil.copytree(*op["copy"])
             elif dist.get_rank() == 0 and "to_hf" in op:

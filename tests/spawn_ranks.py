@@ -4,15 +4,25 @@ run several training runs of the debug config in one torchrun launch (`torchrun_
 The worker is called as worker(rank, world, port, *args, failures) and runs its checks inside
 `with rank_group(rank, world, port, failures):`, which reports a failure to the parent through
 `failures` (a spawned process's assertion is otherwise lost).
+
+A failing rank fails the test fast, whatever its peers do: its process group's collectives give up
+after PG_TIMEOUT_S (gloo's `timeout`), the peers of a rank that failed get GRACE_S to finish before
+they are killed (they may wait forever in a collective the failed rank never joins, or it may hang
+tearing its group down under a pending one), and every body has a deadline (DEADLINE_S, or
+run_ranks' `deadline_s`). The test's failure names each rank that failed, with its traceback, and
+the ranks that were killed.
 """
 
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -20,12 +30,22 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import connection as mp_connection
 
+# A collective that waits this long for a peer raises (a deadlock shows as an error, not a hang). Long
+# enough for a peer still compiling (inductor on 2 busy cores) the graph this rank waits in.
+PG_TIMEOUT_S = 120
+# After a rank fails (or its process ends), the others have this long to finish or fail too.
+GRACE_S = 5
+# A body's longest run on every rank, when run_ranks is given no deadline_s.
+DEADLINE_S = 300
+
 
 @contextlib.contextmanager
 def rank_group(rank: int, world: int, port: int, failures, backend: str = "gloo", **init_kwargs):
     """This process's default group for the block; an exception there goes to the parent (with its
-    traceback) and is raised again; the group is destroyed either way."""
+    traceback) and is raised again; the group is destroyed either way. Its collectives time out after
+    PG_TIMEOUT_S unless `timeout` (a timedelta) is given."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_kwargs.setdefault("timeout", timedelta(seconds=PG_TIMEOUT_S))
     dist.init_process_group(backend, rank=rank, world_size=world, **init_kwargs)
     try:
         yield
@@ -57,7 +77,7 @@ def free_port() -> int:
 class _Pool:
     """`world` spawned processes, process r running each body it is sent as rank r. The start-up
     (a process, torch and the test module imported) is paid once per test module and world size,
-    not once per test; a process that ends (os._exit) is started again for the next body."""
+    not once per test; a process that ends (os._exit) or is killed is started again for the next body."""
 
     def __init__(self, world: int):
         ctx = mp.get_context("spawn")
@@ -71,19 +91,37 @@ class _Pool:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, worker, world: int, args: tuple) -> bool:
-        """Run worker(rank, world, port, *args, failures) on every rank; False if a process ended
-        (its exit code, when not 0, is a failure; ranks still running a minute later are killed)."""
+    def _reported(self) -> list[str]:
+        messages = []
+        while not self.failures.empty():
+            messages.append(self.failures.get())
+        return messages
+
+    def run(self, worker, world: int, args: tuple, deadline_s: float) -> tuple[bool, list[str]]:
+        """Run worker(rank, world, port, *args, failures) on every rank -> (the processes can run the
+        next body, the failures reported). Ranks still running GRACE_S after one failed or ended, or
+        at the deadline, are killed."""
         job = (worker, world, free_port(), args, list(sys.path), dict(os.environ))
         for conn in self.conns:
             conn.send(job)
+        start = time.monotonic()
         pending = dict(enumerate(self.conns))
-        ended = []
+        messages, ended, failed_at = [], [], None
         while pending:
-            waits = [*pending.values(), *(self.procs[r].sentinel for r in pending)]
-            if not mp_connection.wait(waits, timeout=60 if ended else None):
-                self.failures.put(f"ranks {sorted(pending)} still running a minute after rank(s) {ended} ended")
-                return False
+            messages += self._reported()
+            if (messages or ended) and failed_at is None:
+                failed_at = time.monotonic()
+            limit = start + deadline_s if failed_at is None else min(start + deadline_s, failed_at + GRACE_S)
+            # The failures queue too: a rank that failed may never finish (stuck tearing its group down).
+            waits = [*pending.values(), *(self.procs[r].sentinel for r in pending), self.failures._reader]
+            if not mp_connection.wait(waits, timeout=max(0.0, limit - time.monotonic())):
+                messages += self._reported()
+                if failed_at is None:
+                    why = f"the body's deadline of {deadline_s:g} s passed"
+                else:
+                    why = f"still running {GRACE_S} s after a rank failed or ended"
+                messages.append(f"ranks {sorted(pending)} killed: {why} (waiting for a peer in a collective?)")
+                return False, messages
             for rank, conn in list(pending.items()):
                 with contextlib.suppress(EOFError):
                     if conn.poll():
@@ -95,16 +133,21 @@ class _Pool:
                     del pending[rank]
                     ended.append(rank)
                     if proc.exitcode != 0:
-                        self.failures.put(f"rank {rank}: the process ended with exit code {proc.exitcode}")
-        return not ended
+                        messages.append(f"rank {rank}: the process ended with exit code {proc.exitcode}")
+        return not ended, messages + self._reported()
 
-    def close(self) -> None:
+    def close(self, kill: bool = False) -> None:
+        """Stop the processes: each after its body (kill: at once, wherever it is)."""
         for conn, proc in zip(self.conns, self.procs):
+            if kill:
+                proc.kill()
             with contextlib.suppress(OSError):
                 conn.send(None)
+        for proc in self.procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+                proc.join()
 
 
 def _serve(rank: int, conn, failures) -> None:
@@ -118,35 +161,33 @@ def _serve(rank: int, conn, failures) -> None:
         except BaseException as e:  # raised outside rank_group too: the parent must hear of it
             if not getattr(e, "reported_to_parent", False):
                 failures.put(f"rank {rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        finally:
-            import torch._dynamo
-
-            torch._dynamo.reset()  # no compiled graph carried into the next body
-        conn.send(True)
+        conn.send(True)  # done: the parent's grace for the other ranks does not wait for what follows
+        if "torch._dynamo" in sys.modules:  # (its first import takes seconds: only where a body compiled)
+            sys.modules["torch._dynamo"].reset()  # no compiled graph carried into the next body
 
 
 _pools: dict[int, _Pool] = {}
 _pools_module: list[str] = [""]
 
 
-def run_ranks(worker, world: int, *args) -> None:
-    """Run worker(rank, world, port, *args, failures) on `world` ranks and fail with their messages.
-    The processes are kept for the next call from the same test module (so one module's bodies may
-    share a process's imports and module state, never another module's)."""
+def run_ranks(worker, world: int, *args, deadline_s: float = DEADLINE_S) -> None:
+    """Run worker(rank, world, port, *args, failures) on `world` ranks and fail with their messages,
+    within `deadline_s` seconds (ranks still running then are killed). The processes are kept for the
+    next call from the same test module (so one module's bodies may share a process's imports and module
+    state, never another module's); after a rank was killed or ended, they are started again."""
     if _pools_module[0] != worker.__module__:
         for pool in _pools.values():
             pool.close()
         _pools.clear()
         _pools_module[0] = worker.__module__
     pool = _pools.get(world) or _pools.setdefault(world, _Pool(world))
-    if not pool.run(worker, world, args):
-        pool.close()
+    reusable, messages = pool.run(worker, world, args, deadline_s)
+    if not reusable:
+        pool.close(kill=True)
         del _pools[world]
-    messages = []
-    while not pool.failures.empty():
-        messages.append(pool.failures.get())
     if messages:
         pytest.fail("\n".join(messages))
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,9 +206,18 @@ def torchrun_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int =
     (folder / "plan.json").write_text(json.dumps(plan))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(ROOT / "tests" / "resume_harness.py"), str(folder / "plan.json")]
-    result = subprocess.run(cmd, cwd=ROOT, env=torchrun_env(), capture_output=True, text=True, timeout=timeout)
-    (folder / "harness.log").write_text(result.stdout + result.stderr)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    # Its own process group: at the timeout the launcher and its workers are killed together.
+    launch = subprocess.Popen(cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    try:
+        stdout, stderr = launch.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(launch.pid, signal.SIGKILL)
+        stdout, stderr = launch.communicate()
+        (folder / "harness.log").write_text(stdout + stderr)
+        pytest.fail(f"the torchrun launch was killed after {timeout} s:\n{stdout[-3000:]}{stderr[-6000:]}")
+    (folder / "harness.log").write_text(stdout + stderr)
+    assert launch.returncode == 0, stdout[-3000:] + stderr[-6000:]
 
 
 def train_debug(dump: Path, *overrides: str, nproc: int = 2) -> list[dict]:

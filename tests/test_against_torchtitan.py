@@ -1,6 +1,6 @@
 """Ours against torchtitan 0.2.2's Qwen3-MoE from identical weights: the init copy, the same
 forward (CPU, fp32), and the parity harness's `--against torchtitan` / `--seed init` logic.
-The 200-step bf16 runs are GPU work (worklogs/2026-11-24-against-torchtitan.md)."""
+The 200-step bf16 runs are GPU work (scripts/against_torchtitan_gpu.sh)."""
 
 import json
 from pathlib import Path
@@ -146,10 +146,11 @@ def test_against_torchtitan_reports_ours_next_to_torchtitans_rounding_spread(tmp
 
 def test_the_bf16_gate_is_torchtitans_gate():
     from torch import nn
-    from torchtitan_moe.moe.router import Router
+    from torchtitan_moe.moe.router import Router, RouterOptions
 
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
-    fp32, bf16 = Router(128, 8, 2, route_norm=False), Router(128, 8, 2, route_norm=False, gate_dtype=torch.bfloat16)
+    fp32 = Router(128, 8, 2, RouterOptions(route_norm=False))
+    bf16 = Router(128, 8, 2, RouterOptions(route_norm=False, gate_precision="param"), param_dtype=torch.bfloat16)
     bf16.load_state_dict(fp32.state_dict())
     theirs = nn.Linear(128, 8, bias=False).to(torch.bfloat16)  # torchtitan's gate under bf16 mixed precision
     theirs.weight.data.copy_(fp32.gate.weight)

@@ -1,5 +1,6 @@
-"""The all-gather dispatcher against the local one, forward and backward, on gloo ranks; its
-transport's two calls against their definition. The copy-engine transport: tests/test_gpu_e2e.py."""
+"""The all-gather dispatcher's own: its messages, the tokens sent before the router, uneven batches refused;
+its transport's two calls against their definition (the copy-engine transport on 2 GPUs); training to the bit
+as all_to_all. Against the local dispatcher, with the others: tests/test_dispatchers.py."""
 
 import importlib.util
 from pathlib import Path
@@ -9,45 +10,12 @@ import torch
 import torch.distributed as dist
 
 from spawn_ranks import rank_group, run_ranks
-from test_all_to_all import DIM, EXPERTS, assert_matches_local, forward_backward, make_layer
+from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
 from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher, build_transport
 from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport, sum_in_rank_order
 from torchtitan_moe.tools.parity import main as parity
 
 ROOT = Path(__file__).resolve().parents[1]
-
-def worker(rank, world, port, padding, zero_gate, use_checkpoint, compiler, kernels, device, failures):
-    if device == "cuda":
-        torch.cuda.set_device(rank)
-    with rank_group(rank, world, port, failures, "nccl" if device == "cuda" else "gloo"):
-        torch.manual_seed(100 + rank)  # different tokens on every rank
-        x, grad = torch.randn(2, 7, DIM, device=device), torch.randn(2, 7, DIM, device=device)
-        local = make_layer(padding, zero_gate).to(device)  # the reference: torch kernels, EP = 1
-        ref = forward_backward(local, x, grad)
-        ref_w13, ref_w2 = ref[3].clone(), ref[4].clone()  # every rank's tokens reach the experts: summed
-        dist.all_reduce(ref_w13)
-        dist.all_reduce(ref_w2)
-
-        ep = make_layer(padding, zero_gate, kernels).to(device)
-        per_rank = EXPERTS // world
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        ep.experts.w13 = torch.nn.Parameter(ep.experts.w13.detach()[mine].clone())
-        ep.experts.w2 = torch.nn.Parameter(ep.experts.w2.detach()[mine].clone())
-        transport = build_transport(dist.group.WORLD, x.device)
-        assert type(transport).__name__ == ("PeerMemoryTransport" if device == "cuda" else "CollectiveTransport")
-        calls = count_calls(transport)
-        dispatcher = AllGatherDispatcher(EXPERTS, transport, align=local.dispatcher.align, kernels=kernels)
-        dispatcher.keep_exchanges = use_checkpoint
-        ep.set_dispatcher(dispatcher)
-        out = forward_backward(torch.compile(ep, backend=compiler) if compiler else ep, x, grad, use_checkpoint)
-
-        assert_matches_local(rank, out, ref, ref_w13[mine], ref_w2[mine])
-        # Forward: the tokens' all-gather (sent before the router), the routing's, and the partial sums'
-        # reduce-scatter; backward: the adjoints of the first and last. A checkpointed recompute replays its
-        # three instead of repeating them.
-        assert calls == ["all_gather", "all_gather", "reduce_scatter", "all_gather", "reduce_scatter"], calls
-        assert not dispatcher._kept
-
 
 def count_calls(transport) -> list:
     """Each message the transport starts appends its kind (the whole calls start one each)."""
@@ -58,24 +26,29 @@ def count_calls(transport) -> list:
     return calls
 
 
-@pytest.mark.parametrize(
-    "padding, zero_gate, use_checkpoint, compiler",
-    [
-        ("none", False, False, None),
-        ("always", False, False, None),
-        ("none", True, False, None),  # every token to experts 0..2: rank 1's experts get nothing
-        ("always", False, True, None),  # activation checkpointing replays the exchanges
-        pytest.param("none", False, False, "inductor", marks=pytest.mark.slow),  # ~40 s of compiling
-    ],
-)
-def test_all_gather_matches_local_dispatcher(padding, zero_gate, use_checkpoint, compiler):
-    run_ranks(worker, 2, padding, zero_gate, use_checkpoint, compiler, "torch", "cpu")
+def calls_worker(rank, world, port, failures):
+    with rank_group(rank, world, port, failures):
+        torch.manual_seed(100 + rank)
+        x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
+        for use_checkpoint in (False, True):
+            layer = make_layer("none", False)
+            mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+            for name in ("w13", "w2"):
+                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).detach()[mine].clone()))
+            transport = build_transport(dist.group.WORLD, torch.device("cpu"))
+            calls = count_calls(transport)
+            dispatcher = AllGatherDispatcher(EXPERTS, transport)
+            dispatcher.keep_exchanges = use_checkpoint
+            layer.set_dispatcher(dispatcher)
+            forward_backward(layer, x, grad, use_checkpoint)
+            assert calls == ["all_gather", "all_gather", "reduce_scatter", "all_gather", "reduce_scatter"], calls
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors need the interpreter; on a "
-                    "GPU test_gpu_e2e.py runs them compiled")
-def test_all_gather_with_triton_kernels_matches_local_dispatcher():
-    run_ranks(worker, 2, "always", False, False, None, "triton", "cpu")
+def test_the_tokens_travel_once_and_a_recompute_replays():
+    # Forward: the tokens' all-gather (sent by send_tokens, before the router: start_dispatch takes it), the
+    # routing's, the partial sums' reduce-scatter; backward: the adjoints of the first and last. A checkpointed
+    # recompute replays its three. (Against the local dispatcher: tests/test_dispatchers.py.)
+    run_ranks(calls_worker, 2)
 
 
 def transport_worker(rank, world, port, failures):
@@ -109,12 +82,6 @@ def test_sum_in_rank_order_rounds_once():
     assert sum_in_rank_order(parts[:2]).item() == 1.0  # two parts: one fp32 add, one rounding
 
 
-def refuses_worker(rank, world, port, failures):
-    with rank_group(rank, world, port, failures):
-        with pytest.raises(ValueError, match="takes EP = 2"):
-            build_transport(dist.group.WORLD, torch.device("cpu"))
-
-
 def uneven_worker(rank, world, port, failures):
     with rank_group(rank, world, port, failures):
         layer = make_layer("none", False)
@@ -143,10 +110,6 @@ def test_start_dispatch_takes_the_tokens_send_tokens_sent():
 
 def test_uneven_tokens_over_ranks_are_one_error_on_every_rank():
     run_ranks(uneven_worker, 2)
-
-
-def test_all_gather_refuses_ep_4():
-    run_ranks(refuses_worker, 4)
 
 
 def test_training_with_all_gather_matches_all_to_all_to_the_bit(parity_out):
@@ -217,10 +180,3 @@ def test_training_with_all_gather_matches_deepep_and_all_to_all_on_gpus(tmp_path
     print(report)
     assert code == 0, report
     assert "| backend=all_gather | 0.00e+00 | 0.00e+00 | 0.00e+00 | 0.00e+00 | = | ok |" in report, report
-
-
-@pytest.mark.gpu
-@two_gpus
-@pytest.mark.parametrize("use_checkpoint", [False, True])
-def test_all_gather_on_gpus_matches_local_dispatcher(use_checkpoint):
-    run_ranks(worker, 2, "always", False, use_checkpoint, None, "triton", "cuda")

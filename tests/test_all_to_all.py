@@ -1,16 +1,16 @@
-"""The all-to-all dispatcher against the local one, forward and backward, on gloo ranks."""
+"""The all-to-all dispatcher's own: its exchanges, host ops and host syncs, the worst-case layout, what a
+recompute keeps (against the local dispatcher, with the others: tests/test_dispatchers.py)."""
 
 import pytest
 import torch
 import torch.distributed as dist
 from host_reads import HostReads, HostSyncs
-from numerics import assert_close_to_max
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
 
@@ -18,7 +18,7 @@ DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 12
 def make_layer(padding: str, zero_gate: bool, kernels: str = "torch") -> MoE:
     torch.manual_seed(0)  # the same weights on every rank
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels=kernels,
-                        router_init_std=0.0 if zero_gate else 0.5), DIM)
+                        router=RouterOptions(init_std=0.0 if zero_gate else 0.5)), DIM)
     layer.init_weights(out_std=0.1)
     return layer
 
@@ -30,91 +30,34 @@ def forward_backward(layer: MoE, x: torch.Tensor, grad: torch.Tensor, use_checkp
     return out.detach(), x.grad, layer.router.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad
 
 
-def assert_matches_local(rank: int, out, ref, ref_w13: torch.Tensor, ref_w2: torch.Tensor) -> None:
-    """The EP layer's (out, grad x, grad gate, grad w13, grad w2) against the local reference's, the expert
-    gradients of this rank's experts summed over every rank's tokens."""
-    for name, got, expected in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), out,
-                                   (*ref[:3], ref_w13, ref_w2)):
-        if not expected.any():  # this rank's experts got no token (the zero gate): exact zeros
-            assert not got.any(), f"rank {rank}: {name} is not zero"
-            continue
-        assert_close_to_max(got, expected, 1e-5, f"rank {rank}: {name}")
-
-
-def worker(rank: int, world: int, port: int, padding: str, zero_gate: bool, use_checkpoint: bool, compiler, kernels,
-           buffers, failures):
+def exchanges_worker(rank: int, world: int, port: int, failures):
     with rank_group(rank, world, port, failures):
-        torch.manual_seed(100 + rank)  # different tokens on every rank
+        torch.manual_seed(100 + rank)
         x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
-
-        local = make_layer(padding, zero_gate)  # the reference: torch kernels
-        ref = forward_backward(local, x, grad)
-        # Expert gradients under EP gather every rank's tokens: sum the local references.
-        ref_w13, ref_w2 = ref[3].clone(), ref[4].clone()
-        dist.all_reduce(ref_w13)
-        dist.all_reduce(ref_w2)
-
-        ep = make_layer(padding, zero_gate, kernels)
-        per_rank = EXPERTS // world
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        ep.experts.w13 = torch.nn.Parameter(ep.experts.w13.detach()[mine].clone())
-        ep.experts.w2 = torch.nn.Parameter(ep.experts.w2.detach()[mine].clone())
-        dispatcher = AllToAllDispatcher(EXPERTS, dist.group.WORLD, align=local.dispatcher.align, kernels=kernels,
-                                        buffers=buffers)
-        dispatcher.keep_exchanges = use_checkpoint
-        ep.set_dispatcher(dispatcher)
-        calls: list = []
-        count_exchanges(calls)
-        # The whole layer under torch.compile: the exchange is one opaque custom op in its graph.
-        out = forward_backward(torch.compile(ep, backend=compiler) if compiler else ep, x, grad, use_checkpoint)
-
-        assert_matches_local(rank, out, ref, ref_w13[mine], ref_w2[mine])
-        # Forward: counts (exact buffers only), rows, meta, the way back; backward: rows, meta, the
-        # way back. A checkpointed recompute replays its exchanges instead of repeating them.
-        expected_calls = 7 if buffers == "exact" else 6
-        assert len(calls) == expected_calls, f"{len(calls)} all-to-all calls"
-        assert not dispatcher._kept
+        for buffers, expected in (("exact", 7), ("worst_case", 6)):
+            layer = make_layer("none", False)
+            mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+            for name in ("w13", "w2"):
+                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).detach()[mine].clone()))
+            layer.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD, buffers=buffers))
+            calls: list = []
+            original = dist.all_to_all_single
+            count_exchanges(calls)
+            try:
+                forward_backward(layer, x, grad)
+            finally:
+                dist.all_to_all_single = original
+            assert len(calls) == expected, f"{buffers}: {len(calls)} all-to-all calls"
 
 
-
-@pytest.mark.parametrize(
-    "world, padding, zero_gate, use_checkpoint, compiler",
-    [
-        (2, "none", False, False, None),
-        (4, "always", False, False, None),
-        (4, "none", True, False, None),  # every token to experts 0..2: ranks 1-3 receive nothing
-        (2, "always", False, True, None),  # activation checkpointing replays the exchanges
-        pytest.param(2, "none", False, False, "inductor", marks=pytest.mark.slow),  # ~40 s of compiling
-    ],
-)
-def test_all_to_all_matches_local_dispatcher(world, padding, zero_gate, use_checkpoint, compiler):
-    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler, "torch", "exact")
-
-
-@pytest.mark.parametrize(
-    "world, padding, zero_gate, use_checkpoint, compiler",
-    [
-        (2, "always", False, False, None),
-        (4, "none", True, False, None),  # ranks 1-3 receive only tail rows
-        (2, "none", False, True, None),  # activation checkpointing replays the fixed-size exchanges
-        pytest.param(2, "always", False, False, "inductor", marks=pytest.mark.slow),
-    ],
-)
-def test_worst_case_buffers_match_local_dispatcher(world, padding, zero_gate, use_checkpoint, compiler):
-    # Fixed-capacity exchange, expert-major rows for the worst case: no split size reaches the host.
-    run_ranks(worker, world, padding, zero_gate, use_checkpoint, compiler, "torch", "worst_case")
+def test_a_layer_makes_seven_exchanges_and_six_with_worst_case_buffers():
+    # Forward: the counts (exact buffers only), the rows, their metadata, the way back; backward: the rows,
+    # their metadata, the way back. (Against the local dispatcher: tests/test_dispatchers.py.)
+    run_ranks(exchanges_worker, 2)
 
 
 interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors need the "
                                       "interpreter; on a GPU test_gpu_e2e.py runs the dispatcher's kernels compiled")
-
-
-@interpreter_only
-@pytest.mark.parametrize("world, buffers", [(2, "exact"), (4, "exact"), (2, "worst_case")])
-def test_all_to_all_with_triton_kernels_matches_local_dispatcher(world, buffers):
-    # The Triton kernels (send_plan, send_meta, routing_index, gather, combine): compiled on a GPU,
-    # under the interpreter on CPU (tests/ops covers P and experts per rank that are no powers of 2).
-    run_ranks(worker, world, "always", False, False, None, "triton", buffers)
 
 
 class HostOps(TorchDispatchMode):

@@ -4,12 +4,12 @@ pre-hook that applies it once per step from the step's token counts."""
 import torch
 from host_reads import HostReads
 
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 from torchtitan_moe.moe.balance import register_balancing_hook, update_expert_bias
 
 
 def test_update_moves_the_bias_toward_balance_by_the_formula():
-    layer = MoE(MoEArgs(num_experts=4, top_k=1, bias_update_rate=0.01), dim=8)
+    layer = MoE(MoEArgs(num_experts=4, top_k=1, router=RouterOptions(bias_update_rate=0.01)), dim=8)
     loads = torch.tensor([[10.0, 0.0, 5.0, 5.0]], dtype=torch.float64)  # mean 5
     update_expert_bias([layer], loads)
     # rate * sign(mean - load) = [-1, 1, 0, 0] x 0.01, minus its mean (0)
@@ -20,16 +20,16 @@ def test_update_moves_the_bias_toward_balance_by_the_formula():
 
 
 def test_rate_zero_and_no_tokens_leave_the_bias_alone():
-    off = MoE(MoEArgs(num_experts=4, bias_update_rate=0.0), dim=8)
+    off = MoE(MoEArgs(num_experts=4, router=RouterOptions(bias_update_rate=0.0)), dim=8)
     update_expert_bias([off], torch.tensor([[10.0, 0.0, 5.0, 5.0]], dtype=torch.float64))
-    idle = MoE(MoEArgs(num_experts=4, bias_update_rate=0.01), dim=8)
+    idle = MoE(MoEArgs(num_experts=4, router=RouterOptions(bias_update_rate=0.01)), dim=8)
     update_expert_bias([idle], torch.zeros(1, 4, dtype=torch.float64))
     assert off.router.expert_bias.abs().sum() == 0 and idle.router.expert_bias.abs().sum() == 0
 
 
 def test_update_reads_nothing_back_to_the_host():
     # It runs before every optimizer step: a read per layer was a host sync per layer on a GPU.
-    layers = [MoE(MoEArgs(num_experts=4, bias_update_rate=0.01), dim=8) for _ in range(3)]
+    layers = [MoE(MoEArgs(num_experts=4, router=RouterOptions(bias_update_rate=0.01)), dim=8) for _ in range(3)]
     with HostReads() as reads:
         update_expert_bias(layers, torch.tensor([[10.0, 0.0, 5.0, 5.0], [0.0] * 4, [1.0, 2.0, 3.0, 4.0]], dtype=torch.float64))
     assert reads.count == 0
@@ -38,7 +38,7 @@ def test_update_reads_nothing_back_to_the_host():
 
 def test_optimizer_step_updates_the_bias_from_the_steps_counts_and_clears_them():
     torch.manual_seed(0)
-    layer = MoE(MoEArgs(num_experts=4, top_k=1, inter_dim=8, kernels="torch", bias_update_rate=0.01), dim=8)
+    layer = MoE(MoEArgs(num_experts=4, top_k=1, inter_dim=8, kernels="torch", router=RouterOptions(bias_update_rate=0.01)), dim=8)
     layer.init_weights(out_std=0.02)
     layer.router.expert_bias.copy_(torch.tensor([3.0, 0.0, 0.0, -3.0]))  # expert 0 takes every token
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.0)

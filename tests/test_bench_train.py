@@ -261,3 +261,27 @@ def test_report_writes_the_tables_of_the_runs_in_out_without_training(tmp_path, 
     shutil.rmtree(tmp_path / "ours_local_learned_eager")
     assert main([*args, "--report"]) == 1
     assert "failed" in json.loads((tmp_path / "bench_train.json").read_text())["ours/local learned eager"]
+
+
+def test_accumulation_rows_give_the_tokens_a_step_and_mfu_in_both_counts(tmp_path, monkeypatch):
+    # The full model's rows (issue 51): a plain row and a row of >= 0.5M tokens a step, both MFU counts.
+    from torchtitan_moe.tools import bench_train
+
+    def fake_training(config, dump, overrides, nproc, log):
+        dump.mkdir(parents=True, exist_ok=True)
+        rows = [{"step": s, "loss": 5.0, "throughput(tps)": 7_718.0, "tflops": 215.4, "tflops_causal": 178.2,
+                 "mfu(%)": 21.8, "mfu_causal(%)": 18.0, "memory/max_reserved(GiB)": 128.2} for s in (1, 2, 3)]
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return 0
+
+    monkeypatch.setattr(bench_train, "run_training", fake_training)
+    code = main([str(ROOT / "configs" / "qwen3_30b_a3b_4gpu.toml"), "--models", "all_to_all", "--modes", "compiled",
+                 "--routers", "learned", "--grad-accum", "1,16", "--steps", "3", "--warmup", "1", "--nproc", "4",
+                 "--out", str(tmp_path), "--", "--kernels.backend", "auto"])
+    assert code == 0
+    report = (tmp_path / "bench_train.md").read_text()
+    # 4 processes x 2 sequences x 4096 tokens a micro-batch: 32,768 tokens a step, 524,288 with 16 micro-batches
+    assert "| ours/all_to_all learned compiled | 7,718 | 32,768 | 215.4 | 21.8% | 18.0% | - | 128.2 |" in report
+    assert "| ours/all_to_all learned compiled accum 16 | 7,718 | 524,288 | 215.4 | 21.8% | 18.0% | - | 128.2 |" in report
+    result = json.loads((tmp_path / "bench_train.json").read_text())["ours/all_to_all learned compiled accum 16"]
+    assert result["mfu_causal"] == 18.0 and result["tflops_causal"] == 178.2

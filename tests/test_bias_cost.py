@@ -106,7 +106,7 @@ def test_zero_bias_costs_nothing_and_needs_no_tokens(tmp_path, capsys):
 
 def test_the_synthetic_stream_of_the_run_is_held_out(tmp_path, capsys):
     args = flavor_args("debug")
-    args.moe = dataclasses.replace(args.moe, route_norm=not args.moe.route_norm)  # unlike debug.toml's
+    args.moe.router = dataclasses.replace(args.moe.router, route_norm=not args.moe.router.route_norm)  # unlike debug.toml's
     step = save(model_with_bias(args=args), tmp_path / "step")
     environ = dict(os.environ)
     assert convert.main(["to-hf", step, str(tmp_path / "hf"), "--drop-expert-bias", "--config", "configs/debug.toml",
@@ -114,7 +114,7 @@ def test_the_synthetic_stream_of_the_run_is_held_out(tmp_path, capsys):
     assert dict(os.environ) == environ  # reading --config is not training's set-up (no RANK / WORLD_SIZE left)
     assert "1,024 tokens" in capsys.readouterr().out.splitlines()[0]  # one batch of the run's 8 x 128
     # The model is what the step folder recorded (model_args.json); --config only names the held-out data.
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] == args.moe.route_norm
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] == args.moe.router.route_norm
     from torchtitan_moe.hf.bias_cost import HELD_OUT_RANK, synthetic_held_out
     from torchtitan_moe.train.job_config import load_job_config
 

@@ -178,9 +178,54 @@ def test_hugging_face_initial_load_checks_config_json(tmp_path):
 
 def test_model_args_round_trip(tmp_path):
     args = flavor_args("debug")
-    args.moe = dataclasses.replace(args.moe, top_k=3, route_norm=False)
+    args.moe = dataclasses.replace(args.moe, top_k=3, router=dataclasses.replace(args.moe.router, route_norm=False))
     write_model_args(str(tmp_path), args)
     assert read_model_args(str(tmp_path)) == args
+
+
+# model_args.json of configs/debug.toml's run as written before the router's settings had a table of their own:
+# flat in "moe", the gate's init std as router_init_std and its dtype as router_gate_dtype.
+FLAT_MODEL_ARGS = """{
+  "_enforced": "This field is used to enforce all fields have defaults.",
+  "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2, "head_dim": 32, "vocab_size": 2048, "norm_eps": 1e-06,
+  "rope_theta": 10000.0, "qk_norm": true, "max_seq_len": 128, "attn_type": "sdpa", "attn_mask_type": "causal",
+  "enable_weight_tying": false,
+  "moe": {
+    "num_experts": 8, "top_k": 2, "inter_dim": 128, "score_func": "softmax", "route_norm": true, "route_scale": 1.0,
+    "router_init_std": 0.02, "bias_update_rate": 0, "balance_loss": "global_batch", "balance_loss_coeff": 0.1,
+    "z_loss_coeff": 0.0, "n_groups": 1, "topk_groups": 1, "force_balance": false, "router_gate_dtype": "float32",
+    "padding": "auto", "align": 8, "kernels": "auto"
+  },
+  "init_seed": 42
+}"""
+
+
+def test_a_step_saved_with_flat_model_args_still_resumes_and_converts(tmp_path, caplog):
+    from torchtitan_moe.hf import convert
+
+    config = job(tmp_path)
+    args = run_args(config)
+    step = tmp_path / "checkpoint" / "step-4"
+    save_step(step, args)
+    (step / "model_args.json").write_text(FLAT_MODEL_ARGS)
+    saved = read_model_args(str(step))
+    assert saved.moe.router == args.moe.router
+    # The flat layout kept the gate's dtype only: with an fp32 gate the parameters' dtype is not in it.
+    assert dataclasses.replace(saved, moe=dataclasses.replace(saved.moe, param_dtype=args.moe.param_dtype)) == args
+    with caplog.at_level(logging.WARNING):
+        assert check_checkpoint_to_load(config, args, 2).step == 4
+    assert "was saved by a run with" not in caplog.text
+    assert convert.main(["to-hf", str(step), str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (hf["norm_topk_prob"], hf["router_aux_loss_coef"], hf["num_experts"]) == (True, 0.1, 8)
+
+    # The renamed keys: a bf16 gate (gate_precision 'param' in bf16), another init std.
+    flat = json.loads(FLAT_MODEL_ARGS)
+    flat["moe"].update(router_gate_dtype="bfloat16", router_init_std=0.01, route_norm=False)
+    (step / "model_args.json").write_text(json.dumps(flat))
+    moe = read_model_args(str(step)).moe
+    assert (moe.router.gate_precision, moe.param_dtype, moe.router.init_std, moe.router.route_norm) == (
+        "param", "bfloat16", 0.01, False)
 
 
 def test_checkpoint_config_defaults_and_refusals(tmp_path):

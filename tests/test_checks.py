@@ -22,6 +22,7 @@ from torchtitan_moe.components.checks import router_init as ri
 from torchtitan_moe.components.checks import monitors as mon
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
 from torchtitan_moe.moe.balance import moe_layers, update_expert_bias
+from torchtitan_moe.moe.options import RouterOptions
 from torchtitan_moe.moe.router import Router
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ def statistics(findings):
 
 def healthy_gate(num_experts=8, dim=64, std=0.02, seed=0):
     torch.manual_seed(seed)
-    router = Router(dim, num_experts, 2, init_std=std)
+    router = Router(dim, num_experts, 2, RouterOptions(init_std=std))
     router.init_weights()
     return router.gate.weight.detach()
 
@@ -208,8 +209,8 @@ def test_router_math_outside_fp32_fires():
 
 
 def test_expert_bias_mean_and_nan_fire_and_balanced_updates_are_quiet():
-    router = Router(16, 8, 2)
-    layer = SimpleNamespace(router=router, bias_update_rate=1e-3)
+    router = Router(16, 8, 2, RouterOptions(bias_update_rate=1e-3))
+    layer = SimpleNamespace(router=router)
     for _ in range(50):  # the balancing update moves single experts, never the mean
         update_expert_bias([layer], torch.randint(0, 100, (1, 8)).double())
     assert router.expert_bias.abs().max() > 0 and ri.bias_findings("r", router.expert_bias) == []
@@ -229,7 +230,7 @@ def debug_model(init_std=0.02, n_layers=2, seed=0):
     torch.manual_seed(seed)
     args = flavor_args("debug")
     args.n_layers = n_layers
-    args.moe = replace(args.moe, router_init_std=init_std)
+    args.moe = replace(args.moe, router=replace(args.moe.router, init_std=init_std))
     model = Qwen3MoEModel(args)
     with torch.no_grad():
         model.init_weights()

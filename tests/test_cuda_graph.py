@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,8 +24,8 @@ def grads(layer: MoE, x: torch.Tensor) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kernels", ["triton", "torch"])
 def test_moe_layer_forward_backward_replays_a_cuda_graph_as_eager(kernels):
     torch.manual_seed(0)
-    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, kernels=kernels, router_init_std=0.5,
-                        bias_update_rate=0.0), DIM).cuda()
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, kernels=kernels,
+                        router=RouterOptions(init_std=0.5, bias_update_rate=0.0)), DIM).cuda()
     layer.init_weights(out_std=0.02)
     layer.to(torch.bfloat16)
     layer.router.float()  # the router's gate and bias stay fp32, as under FSDP2's mixed precision

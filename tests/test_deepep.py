@@ -1,9 +1,10 @@
-"""The DeepEP dispatcher against the all-to-all one, forward and backward.
+"""The DeepEP dispatcher's own: the same ExpertBatch as the all-to-all one, row for row; DeepEP called once
+per exchange, its events waited for, nothing exchanged again by a checkpointed recompute; a handle kept with
+its configs; the node and peer checks; training, the tuner and the benchmark end to end.
 
 On the CPU a faithful fake of DeepEP v1's Buffer (tests/fakes/deep_ep) runs over gloo; on 2 GPUs
-(marked gpu) the real deep_ep runs over NCCL. Both check the ExpertBatch row for row, the layer's
-outputs and gradients, ranks that receive nothing, zero-token experts, and that a checkpointed
-recompute exchanges nothing.
+(marked gpu) the real deep_ep runs over NCCL. Against the local dispatcher, outputs and gradients, with
+the others: tests/test_dispatchers.py.
 """
 
 import importlib.util
@@ -30,7 +31,7 @@ from torchtitan_moe.dispatch.deepep_backend import (
     default_settings,
     release_buffers,
 )
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKES = ROOT / "tests" / "fakes"
@@ -48,7 +49,7 @@ def make_layer(padding: str, zero_gate: bool, rank: int, world: int, device) -> 
     """The same weights on every rank; this rank's expert shard in bf16, the router in fp32."""
     torch.manual_seed(0)
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding=padding, kernels="torch",
-                        router_init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0), DIM)
+                        router=RouterOptions(init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0)), DIM)
     layer.init_weights(out_std=0.1)
     local = EXPERTS // world
     mine = slice(rank * local, (rank + 1) * local)
@@ -81,13 +82,6 @@ def count_waits() -> list:
     waits: list = []
     handle.current_stream_wait = lambda self: waits.append(1)
     return waits
-
-
-def assert_close(actual, expected, what):
-    # bf16 values: within summation-order rounding (fp32 sums, then one bf16 rounding); fp32: tight.
-    bf16 = actual.dtype == torch.bfloat16
-    torch.testing.assert_close(actual, expected, rtol=2**-7 if bf16 else 1e-4, atol=1e-5 if bf16 else 1e-6,
-                               msg=lambda m: f"{what}: {m}")
 
 
 def run_case(rank: int, world: int, device, kernels: str, padding: str, case: str) -> None:
@@ -123,13 +117,10 @@ def run_case(rank: int, world: int, device, kernels: str, padding: str, case: st
         assert int(received) == 0
 
     # The layer, forward and backward.
-    reference = forward_backward(a2a_layer, x, grad)
     calls = count_calls(backend)
     deepep.keep_exchanges = case.endswith("checkpoint")
     waits = count_waits() if "deep_ep" in sys.modules and hasattr(sys.modules["deep_ep"], "EventHandle") else None
-    result = forward_backward(deepep_layer, x, grad, use_checkpoint=case.endswith("checkpoint"))
-    for what, a, b in zip(("out", "x.grad", "gate.grad", "w13.grad", "w2.grad"), result, reference):
-        assert_close(a, b, what)
+    forward_backward(deepep_layer, x, grad, use_checkpoint=case.endswith("checkpoint"))
     # Forward: dispatch, combine (both started on DeepEP's stream); backward: dispatch with the
     # handle, combine. The recompute of a checkpointed block replays both results.
     assert calls == Counter(dispatch=1, start_combine=1, combine=1, dispatch_again=1), calls
@@ -193,17 +184,17 @@ def spawn(world: int, mode: str, padding: str, case: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "world, padding, case",
+    "padding, case",
     [
-        (2, "none", "random"),
-        (4, "always", "zero_gate"),  # 2 of 4 ranks receive nothing; 5 of 8 experts get no tokens
-        (2, "always", "checkpoint"),  # activation checkpointing replays the exchanges
-        (2, "always", "worst_case"),  # num_worst_tokens: no host sync, undefined rows past the received
-        (4, "none", "worst_case_checkpoint"),
+        ("none", "random"),
+        ("always", "zero_gate"),  # rank 1 receives nothing; 5 of 8 experts get no tokens
+        ("always", "checkpoint"),  # activation checkpointing replays the exchanges
+        ("always", "worst_case"),  # num_worst_tokens: no host sync, undefined rows past the received
+        ("none", "worst_case_checkpoint"),
     ],
 )
-def test_deepep_matches_all_to_all_on_fake_deep_ep(world, padding, case):
-    spawn(world, "fake", padding, case)
+def test_deepep_lays_out_all_to_alls_rows_on_fake_deep_ep(padding, case):
+    spawn(2, "fake", padding, case)
 
 
 def test_node_and_peer_checks():
@@ -224,7 +215,7 @@ def deep_ep_is_installed() -> bool:
     [("none", "random"), ("always", "zero_gate"), ("always", "checkpoint"), ("always", "worst_case"),
      ("none", "worst_case_checkpoint")],  # zero_gate: rank 1 receives nothing
 )
-def test_deepep_matches_all_to_all_on_gpus(padding, case):
+def test_deepep_lays_out_all_to_alls_rows_on_gpus(padding, case):
     spawn(2, "nccl", padding, case)
 
 

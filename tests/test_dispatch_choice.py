@@ -13,7 +13,8 @@ import pytest
 
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.train.job_config import load_job_config
-from torchtitan_moe.parallel import choose, tuned
+from torchtitan_moe.dispatch import deepep_backend, registry
+from torchtitan_moe.parallel import tuned
 from torchtitan_moe.parallel.choose import choose_dispatcher
 from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings, DeepEPUnavailable, import_deep_ep
 
@@ -37,14 +38,15 @@ def write_tuned(tmp_path: Path, *entries: dict, version=1) -> str:
 
 
 def cfg(backend="auto", tuned_file="", num_sms=0, precision="bfloat16", overlap="none"):
-    return SimpleNamespace(dispatch=SimpleNamespace(backend=backend, tuned_file=tuned_file, num_sms=num_sms, overlap=overlap),
+    return SimpleNamespace(dispatch=SimpleNamespace(backend=backend, tuned_file=tuned_file, num_sms=num_sms, overlap=overlap,
+                                                    buffers="exact"),
                            training=SimpleNamespace(mixed_precision_param=precision))
 
 
 @pytest.fixture
 def fake_deep_ep(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", load_fake_deep_ep())
-    monkeypatch.setattr(choose, "check_group", lambda group: None)  # one host, peers reachable
+    monkeypatch.setattr(deepep_backend, "check_group", lambda group: None)  # one host, peers reachable
 
 
 @pytest.fixture
@@ -185,10 +187,10 @@ def test_deepep_takes_the_tuned_settings_else_deepeps_defaults(tmp_path, fake_de
 def test_auto_picks_from_the_tuned_table_and_says_why(tmp_path, fake_deep_ep):
     choice = choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry())), SHAPE, None, 132)
     assert (choice.backend, choice.settings) == ("deepep", DeepEPSettings(64, 16, 8))
-    assert choice.reason.startswith("auto: deepep, faster in") and "deepep 9.50 ms vs all_to_all 12.00 ms" in choice.reason
+    assert choice.reason.startswith("auto: deepep, the fastest in") and "deepep 9.50 ms vs all_to_all 12.00 ms" in choice.reason
 
     choice = choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry(best="all_to_all"))), SHAPE, None, 132)
-    assert choice.backend == "all_to_all" and choice.reason.startswith("auto: all_to_all, faster than deepep in")
+    assert choice.backend == "all_to_all" and choice.reason.startswith("auto: all_to_all, the fastest in")
 
     h100 = tuned.Shape("NVIDIA H100 80GB HBM3", *list(dataclasses.astuple(SHAPE))[1:])  # not in the shipped table
     choice = choose_dispatcher(cfg("auto", write_tuned(tmp_path, entry(tokens=65536))), h100, None, 132)
@@ -206,15 +208,16 @@ def test_auto_picks_all_gather_where_it_is_the_fastest_and_this_run_can_use_it(t
     assert choice.reason.startswith("auto: all_gather, the fastest in") and "all_gather 9.00 ms" in choice.reason
     # Where it cannot run, the faster of the two others, saying why.
     choice = choose_dispatcher(cfg("auto", path, overlap="chunks"), SHAPE, None, None)
-    assert choice.backend == "deepep" and choice.reason.startswith(
-        "auto: all_gather is the fastest there, but it has no [dispatch] overlap = 'chunks'; deepep, faster in")
-    monkeypatch.setattr(choose, "peers_problem", lambda group: "GPU 0 cannot access GPU 1 (no P2P/NVLink between them)")
+    assert choice.backend == "deepep" and choice.reason.startswith("auto: deepep, the fastest this run can use in")
+    assert "; not all_gather: needs [dispatch] overlap = 'none' (its exchanges finish where they start), got 'chunks'" \
+        in choice.reason
+    monkeypatch.setattr(registry, "peers_problem", lambda group: "GPU 0 cannot access GPU 1 (no P2P/NVLink between them)")
     choice = choose_dispatcher(cfg("auto", path), SHAPE, object(), 132)  # a GPU run: the peers are asked
-    assert choice.backend == "deepep" and "but GPU 0 cannot access GPU 1" in choice.reason
+    assert choice.backend == "deepep" and "; not all_gather: GPU 0 cannot access GPU 1" in choice.reason
     slower = write_tuned(tmp_path, entry(best="all_gather", all_gather_ms=9.0) | {"layer_ms": {
         "deepep": 13.0, "all_to_all": 12.0, "all_gather": 9.0}})
     choice = choose_dispatcher(cfg("auto", slower, overlap="chunks"), SHAPE, None, None)
-    assert choice.backend == "all_to_all" and "all_to_all, faster than deepep in" in choice.reason
+    assert choice.backend == "all_to_all" and choice.reason.startswith("auto: all_to_all, the fastest this run can use in")
 
 
 def test_an_entry_whose_best_has_no_time_is_refused(tmp_path):
@@ -225,9 +228,9 @@ def test_an_entry_whose_best_has_no_time_is_refused(tmp_path):
 def test_auto_keeps_all_to_all_where_deepep_cannot_run(tmp_path, no_deep_ep):
     path = write_tuned(tmp_path, entry())
     choice = choose_dispatcher(cfg("auto", path), SHAPE, None, 132)
-    assert choice.backend == "all_to_all" and "but the deep_ep package cannot be imported" in choice.reason
+    assert choice.backend == "all_to_all" and "; not deepep: the deep_ep package cannot be imported" in choice.reason
     choice = choose_dispatcher(cfg("auto", path, precision="float32"), SHAPE, None, 132)
-    assert choice.backend == "all_to_all" and "but DeepEP needs [training] mixed_precision_param" in choice.reason
+    assert choice.backend == "all_to_all" and "; not deepep: needs [training] mixed_precision_param" in choice.reason
 
 
 def test_explicit_backends_are_taken_as_asked(tmp_path):

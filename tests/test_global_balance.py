@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.moe import MoE, MoEArgs
-from torchtitan_moe.moe.balance import reduce_step_stats
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
+from torchtitan_moe.moe.balance import reduce_step_stats, set_aux_loss_scale
 
 DIM, EXPERTS, TOP_K, INTER = 16, 8, 2, 12
 SEQS, SEQ_LEN, MICRO_BATCHES = 8, 6, 2  # one global micro-batch: 8 sequences, on every layout
@@ -24,7 +24,7 @@ LAYOUTS = [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4)]  # (data-parallel ran
 def make_layer(recipe: str) -> MoE:
     torch.manual_seed(0)  # the same weights on every rank and layout
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding="none", kernels="torch",
-                        balance_loss=recipe, balance_loss_coeff=COEFF, z_loss_coeff=Z_COEFF), DIM)
+                        router=RouterOptions(balance_loss=recipe, balance_loss_coeff=COEFF, z_loss_coeff=Z_COEFF)), DIM)
     layer.init_weights(out_std=0.1)
     layer.router.gate.weight.data.normal_(std=0.5)
     return layer
@@ -48,7 +48,7 @@ def run_layout(recipe: str, dp: int, ep: int, rank: int, groups: dict) -> tuple[
         layer.experts.w13 = torch.nn.Parameter(layer.experts.w13.detach()[mine].clone())
         layer.experts.w2 = torch.nn.Parameter(layer.experts.w2.detach()[mine].clone())
         layer.set_dispatcher(AllToAllDispatcher(EXPERTS, ep_group, align=8, kernels="torch"))
-    MoE.aux_loss_scale = 1.0 / (MICRO_BATCHES * dp)  # as the trainer sets it
+    set_aux_loss_scale([layer], 1.0 / (MICRO_BATCHES * dp))  # as the trainer does
     share = SEQS // dp
     for batch in global_batches():
         out = layer(batch[rank * share : (rank + 1) * share])

@@ -42,8 +42,26 @@ def test_tokens_per_joule_is_tokens_per_second_over_the_gpus_mean_power():
     assert bench_train.tokens_per_joule(70_000.0, {"0": {"watts": 700.0}}) == 100.0  # a run read back from before
 
 
-def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
+def test_the_runs_gpus_are_cuda_visible_devices_first_nproc_else_the_first_nproc():
+    assert gpu_power.run_devices(2, {}) == ["0", "1"]
+    assert gpu_power.run_devices(2, {"CUDA_VISIBLE_DEVICES": "2,3,0"}) == ["2", "3"]
+    assert gpu_power.run_devices(1, {"CUDA_VISIBLE_DEVICES": "GPU-3333, 0"}) == ["GPU-3333"]
+    for visible in ("2", "MIG-abcd,MIG-ef01", ""):
+        with pytest.raises(SystemExit, match=f"CUDA_VISIBLE_DEVICES='{visible}' does not name 2 GPUs"):
+            gpu_power.run_devices(2, {"CUDA_VISIBLE_DEVICES": visible})
+    t0 = 1_790_000_000.0
+    samples = [gpu_power.Sample(t0, gpu, 100.0, 1.0, 1.0, 0, f"GPU-{gpu}{gpu}{gpu}{gpu}-x") for gpu in range(4)]
+    assert [s.gpu for s in gpu_power.on(samples, ["1", "3"])] == [1, 3]
+    assert [s.gpu for s in gpu_power.on(samples, ["GPU-2222", "GPU-0000-x"])] == [0, 2]
+
+
+def run_bench_with_the_fake(tmp_path, monkeypatch, nproc: int, visible: str | None = None) -> int:
+    """bench_train --gpu-power of one variant, twice (--repeat 2), against the fake nvidia-smi (four GPUs)."""
     monkeypatch.setenv("PATH", f"{FAKE}{os.pathsep}{os.environ['PATH']}")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
 
     def fake_training(config, dump, overrides, nproc, log):
         dump.mkdir(parents=True, exist_ok=True)
@@ -59,12 +77,16 @@ def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
         return 0
 
     monkeypatch.setattr(bench_train, "run_training", fake_training)
-    code = bench_train.main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager",
-                             "--routers", "learned", "--steps", "3", "--warmup", "1", "--nproc", "1", "--repeat", "2",
-                             "--gpu-power", "--out", str(tmp_path)])
-    assert code == 0
+    return bench_train.main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager",
+                             "--routers", "learned", "--steps", "3", "--warmup", "1", "--nproc", str(nproc),
+                             "--repeat", "2", "--gpu-power", "--out", str(tmp_path)])
+
+
+def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
+    assert run_bench_with_the_fake(tmp_path, monkeypatch, nproc=2) == 0
     result = json.loads((tmp_path / "bench_train.json").read_text())["ours/local learned eager"]
     assert len(result["gpus_runs"]) == 2
+    assert all(set(gpus) == {"0", "1"} for gpus in result["gpus_runs"])  # not the idle GPUs 2 and 3
     for run, gpus in enumerate(result["gpus_runs"], 1):
         assert gpus["0"]["sm_mhz"] == 1500 and gpus["1"]["sm_mhz"] == 1700
         # the samples taken from the last untimed step's log to the last timed step's, no others
@@ -74,9 +96,19 @@ def test_bench_train_reports_the_gpus_beside_each_run(tmp_path, monkeypatch):
                  if s.gpu == 0]
         assert gpus["0"]["samples"] == sum(times[0] <= t <= times[-1] for t in taken) < len(taken)
     report = (tmp_path / "bench_train.md").read_text()
-    # 250,000 tokens/s/GPU at 670 W a GPU: 373.1 tokens per joule
+    # 250,000 tokens/s/GPU at 670 W a GPU (GPUs 0 and 1; with the idle two, 370 W): 373.1 tokens per joule
     assert ("| ours/local learned eager | 2 | 250,000 | 1,500 / 1,700 | 690 / 650 | 71 / 64 | 100% / 0% | 0% / 0% | "
             "373.1 |") in report
+    # The main table: each run's 373.1, their median; the debug config's 8 x 128 tokens on 2 processes a step.
+    assert "| ours/local learned eager | 250,000 (250,000-250,000, 2 runs) | 2,048 | 1.0 | - | - | 373.1 |" in report
+
+
+def test_bench_train_counts_the_gpus_cuda_visible_devices_names(tmp_path, monkeypatch):
+    assert run_bench_with_the_fake(tmp_path, monkeypatch, nproc=2, visible="2,3") == 0
+    result = json.loads((tmp_path / "bench_train.json").read_text())["ours/local learned eager"]
+    assert all(set(gpus) == {"2", "3"} for gpus in result["gpus_runs"])
+    # 250,000 tokens/s/GPU at 70 W a GPU
+    assert result["tokens_per_joule"] == pytest.approx(250_000 / 70)
 
 
 def test_gpu_power_without_nvidia_smi_is_one_error_before_anything_trains(tmp_path, monkeypatch):

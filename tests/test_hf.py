@@ -64,7 +64,7 @@ def test_hf_model_converted_gives_our_logits(tmp_path, norm_topk_prob):
     hf.save_pretrained(tmp_path / "hf")
 
     args = convert.read_hf_args(str(tmp_path / "hf"))
-    assert (args.rope_theta, args.norm_eps, args.head_dim, args.moe.route_norm) == (5000.0, 1e-5, 16, norm_topk_prob)
+    assert (args.rope_theta, args.norm_eps, args.head_dim, args.moe.router.route_norm) == (5000.0, 1e-5, 16, norm_topk_prob)
     ours = Qwen3MoEModel(args).eval()
     ours.load_state_dict(convert.load_hf(str(tmp_path / "hf"), args, show_progress=False), strict=True)
 
@@ -153,12 +153,13 @@ def test_to_hf_refuses_what_hf_cannot_express(tmp_path, capsys):
 ])
 def test_routing_hf_cannot_express_is_refused(change, message):
     args = flavor_args("debug")
-    args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, **change))
+    args.moe.router = dataclasses.replace(args.moe.router, **change)
     with pytest.raises(HFConversionError, match=message):
         hf_config(args)
     # every group in use is plain top-k: exportable
     args = flavor_args("debug")
-    hf_config(dataclasses.replace(args, moe=dataclasses.replace(args.moe, n_groups=2, topk_groups=2)))
+    args.moe.router = dataclasses.replace(args.moe.router, n_groups=2, topk_groups=2)
+    hf_config(args)
 
 
 def test_convert_refuses_a_non_empty_output_folder_unless_forced(tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""HSDP x EP on the CPU (gloo, issue 23 item 1): 4 processes as replicate 2 x shard 2 with EP = 2
+"""HSDP x EP on the CPU (gloo): 4 processes as replicate 2 x shard 2 with EP = 2
 train the debug model like ONE process that reads the same global batch, over 10 steps in fp32,
 with activation checkpointing off and on, and so do 4 replicas of shard 1 (EP 1); a checkpoint saved under HSDP resumes under FSDP and under
 EP = 1 like a resume in the same layout.
@@ -74,7 +74,7 @@ def assert_within(name: str, base: list[dict], other: list[dict], grad_rtol: flo
 # The logged grad norm is torchtitan's fp32 norm: on one process it was 1.8e-5 below the float64
 # norm of the same step-1 gradients, on 4 processes (each rank's share, then summed) 6e-6 below,
 # while the gradients agreed to 2.5e-7 per parameter and their float64 norms to 6e-10
-# (2026-11-25, worklogs/2026-11-25-hsdp.md). Against one process the grad norms are held to 3e-5.
+# (measured on the CPU). Against one process the grad norms are held to 3e-5.
 ONE_PROCESS_GRAD_RTOL = 3e-5
 
 

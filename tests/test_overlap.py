@@ -15,9 +15,11 @@ none repeated by a checkpointed recompute, nothing left kept). Two tolerances:
     as test_all_to_all compares a compiled layer.
 """
 
+import sys
 from pathlib import Path
 
 import pytest
+
 import torch
 import torch.distributed as dist
 from numerics import assert_close_to_max
@@ -26,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from spawn_ranks import count_exchanges, rank_group, run_ranks
 from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 from torchtitan_moe.moe.chunks import chunk_bounds, split_routing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +40,9 @@ def make_layer(rank: int, world: int, overlap: str, dtype: torch.dtype, zero_gat
     """The same weights on every rank (this rank's expert shard), a micro-batch balance loss and a z-loss."""
     torch.manual_seed(0)
     layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=INTER, padding="always", kernels="torch",
-                        router_init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0,
-                        balance_loss="micro_batch", balance_loss_coeff=0.1, z_loss_coeff=1e-3), DIM)
+                        router=RouterOptions(init_std=0.0 if zero_gate else 0.5, bias_update_rate=0.0,
+                                             balance_loss="micro_batch", balance_loss_coeff=0.1, z_loss_coeff=1e-3)),
+                DIM)
     layer.init_weights(out_std=0.1)
     mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
     for name in ("w13", "w2"):
@@ -75,11 +78,11 @@ def worker(rank: int, world: int, port: int, kind: str, buffers: str, use_checkp
            compiler, gpus: bool, failures):
     device, kernels, init = torch.device("cpu"), "torch", {}
     if gpus:  # NCCL, Triton kernels, the real deep_ep
+        if "fakes" in str(getattr(sys.modules.get("deep_ep"), "__file__", "")):
+            del sys.modules["deep_ep"]  # left by a CPU body before this one in the same rank pool
         torch.cuda.set_device(rank)
         device, kernels, init = torch.device("cuda", rank), "triton", {"device_id": torch.device("cuda", rank)}
     elif kind == "deepep":
-        import sys
-
         from test_deepep import load_fake_deep_ep
 
         sys.modules["deep_ep"] = load_fake_deep_ep()
@@ -220,7 +223,7 @@ def order_worker(rank: int, world: int, port: int, device: str, failures):
 
 def test_backward_issues_each_reverse_exchange_before_the_other_chunks_expert_backward():
     # The autograd engine runs ready nodes latest-created first: this order is what lets a chunk's
-    # reverse exchange run under the other chunk's expert backward on a GPU (README, [dispatch] overlap).
+    # reverse exchange run under the other chunk's expert backward on a GPU (docs/dispatchers.md, overlap).
     run_ranks(order_worker, 1, "cpu")
 
 
@@ -271,7 +274,7 @@ def test_chunks_read_one_working_copy_of_the_experts_weights():
 
 def test_split_routing_counts_each_chunk_and_keeps_the_losses_whole():
     torch.manual_seed(0)
-    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, balance_loss="micro_batch", balance_loss_coeff=0.1), DIM)
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, router=RouterOptions(balance_loss="micro_batch", balance_loss_coeff=0.1)), DIM)
     routing = layer.router(torch.randn(15, DIM))
     bounds = chunk_bounds(15)
     assert bounds == [(0, 8), (8, 15)]

@@ -1,6 +1,7 @@
 """The parallelism planner (torchtitan_moe.tools.plan): its memory prediction against the peaks bench_train
 measured, its exchange bytes against bench_dispatch's rows, its parameter counts against the model's,
-and its recommendation. Arithmetic only (seconds); the refusals of bad flags are rows of
+and its recommendation; the exchanges it counts under full activation checkpointing against what the dispatcher
+keeps on two gloo ranks. Arithmetic otherwise (seconds); the refusals of bad flags are rows of
 test_bad_inputs.py's PLAN table."""
 
 import contextlib
@@ -9,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from spawn_ranks import rank_group, run_ranks
 from torchtitan_moe.tools import plan
 from torchtitan_moe.models.qwen3_moe import Qwen3MoEModel, flavor_args
 from torchtitan_moe.tools.plan import GIB, GPUS, Layout, Run, Shape
@@ -20,29 +23,25 @@ SHAPE_8L = Shape.of(flavor_args("30b-a3b-8l"))
 # bench_train's peak memory (torch's max reserved, GiB), 30b-a3b-8l, seq 4096, learned router, H200, AC none
 # (configs/qwen3_30b_a3b_8l.toml). (GPUs, EP, local batch, moments bytes, [dispatch] buffers, experts' gradient
 # bytes, GiB, run)
-# EP = 2: worklogs/2026-11-26-session3-h200x2.md (b8c6231: experts outside FSDP2 with bf16 working copies of
-# their weights, the layout the code has). The EP = 2 peaks before it (experts under FSDP2 on a one-rank group
-# before 385075f, 59.3-66.8 GiB; outside FSDP2 cast per use at 8f01d2d and 385075f, 54.6-66.8 GiB) are of
-# layouts the code no longer has: left out.
-# With the train step that never syncs (19a9abd, the host a step ahead) the EP = 2 peaks rose by ~4 GiB:
-# worklogs/2026-11-26-session4-h200x2.md (fp32 moments, our AdamW as `update = "auto"` picks on a GPU).
-# The experts' gradients kept in bf16: worklogs/2026-11-26-session6-h200x2.md.
-# EP = 1: the issue (2026-11-24). The 2026-11-23 EP = 1 peaks (100.7 eager, 97.5 compiled) predate the
-# loss op the model counts: left out.
+# EP = 2: experts outside FSDP2 with bf16 working copies of their weights, the layout the code has (peaks of
+# layouts it no longer has, experts under FSDP2 on a one-rank group or cast per use, are left out). The first
+# four rows were measured with the train step's host syncs; the train step that never syncs (the host a step
+# ahead) raised the EP = 2 peaks by ~4 GiB (fp32 moments, our AdamW as `update = "auto"` picks on a GPU).
+# EP = 1: measured with the fused output-layer loss the model counts (earlier peaks, without it, left out).
 MEASURED = [
-    (2, 2, 4, 8, "worst_case", 4, 69.3, "b8c6231 deepep compiled"),
-    (2, 2, 4, 4, "worst_case", 4, 59.7, "b8c6231 deepep compiled, bf16 moments"),
-    (2, 2, 4, 4, "worst_case", 4, 59.0, "b8c6231 deepep compiled, bf16 moments, call 3"),
-    (2, 2, 4, 4, "worst_case", 4, 58.8, "b8c6231 deepep compiled, bf16 moments, call 3 again"),
-    (2, 2, 4, 8, "worst_case", 4, 74.0, "601337c deepep compiled"),
-    (2, 2, 4, 8, "worst_case", 4, 74.3, "19a9abd deepep compiled, update triton"),
-    (2, 2, 2, 8, "worst_case", 4, 56.8, "601337c deepep compiled, local batch 2"),
-    (1, 1, 2, 8, "exact", 4, 98.5, "2026-11-24 eager"),
-    (1, 1, 4, 8, "exact", 4, 109.9, "2026-11-24 eager"),
-    (1, 1, 2, 4, "exact", 4, 77.1, "2026-11-24 eager, bf16 moments"),
-    (1, 1, 4, 4, "exact", 4, 84.2, "2026-11-24 eager, bf16 moments"),
-    (2, 2, 4, 8, "worst_case", 2, 73.9, "bb3ad85 deepep compiled, experts' gradients kept in bf16"),
-    (2, 2, 2, 8, "worst_case", 2, 59.1, "bb3ad85 deepep compiled, experts' gradients kept in bf16, local batch 2"),
+    (2, 2, 4, 8, "worst_case", 4, 69.3, "deepep compiled, step with host syncs"),
+    (2, 2, 4, 4, "worst_case", 4, 59.7, "deepep compiled, step with host syncs, bf16 moments"),
+    (2, 2, 4, 4, "worst_case", 4, 59.0, "deepep compiled, step with host syncs, bf16 moments, run 2"),
+    (2, 2, 4, 4, "worst_case", 4, 58.8, "deepep compiled, step with host syncs, bf16 moments, run 3"),
+    (2, 2, 4, 8, "worst_case", 4, 74.0, "deepep compiled"),
+    (2, 2, 4, 8, "worst_case", 4, 74.3, "deepep compiled, update triton"),
+    (2, 2, 2, 8, "worst_case", 4, 56.8, "deepep compiled, local batch 2"),
+    (1, 1, 2, 8, "exact", 4, 98.5, "eager"),
+    (1, 1, 4, 8, "exact", 4, 109.9, "eager"),
+    (1, 1, 2, 4, "exact", 4, 77.1, "eager, bf16 moments"),
+    (1, 1, 4, 4, "exact", 4, 84.2, "eager, bf16 moments"),
+    (2, 2, 4, 8, "worst_case", 2, 73.9, "deepep compiled, experts' gradients kept in bf16"),
+    (2, 2, 2, 8, "worst_case", 2, 59.1, "deepep compiled, experts' gradients kept in bf16, local batch 2"),
 ]
 
 
@@ -87,12 +86,12 @@ def test_235b_flavor_is_qwen3_235b_a22b():
 
 @pytest.mark.parametrize("ep, rows", [(2, 16338), (4, 29713)])
 def test_rows_per_rank_match_bench_dispatch(ep, rows):
-    """Rows rank 0 sent at 8192 tokens, random top-8 of 128 (worklogs/2026-11-21-expert-parallel-h200x4.md)."""
+    """Rows rank 0 sent at 8192 tokens, random top-8 of 128 (kernels/bench_dispatch.py on 4 H200s)."""
     assert 8192 * plan.ranks_per_token(SHAPE_8L, ep) == pytest.approx(rows, rel=0.002)
 
 
 @pytest.mark.parametrize("dispatcher, ep, dispatch_us, combine_us", [
-    ("deepep", 2, 185, 171),  # worklogs/2026-11-24-ep2-h200x2.md, tuned
+    ("deepep", 2, 185, 171),  # tuned, on 2 H200s
     ("all_to_all", 2, 158, 158),  # exchange each way (NCCL, per-rank rows)
     ("all_to_all", 4, 346, 346),
 ])
@@ -168,3 +167,81 @@ def test_the_planner_reads_expert_grad_dtype_auto_as_the_trainer_resolves_it(fla
     _, _, run, *_ = plan.parse([str(ROOT / "configs" / "qwen3_30b_a3b_8l.toml"), "--nodes", "1", "--gpus-per-node",
                                 "2", "--training.local_batch_size", "2", *flags])
     assert run.expert_grad_bytes == grad_bytes
+
+
+# bench_train's peak memory (GiB), 30b-a3b-8l, seq 4096, local batch 2, learned router, fp32 moments, H200s, with
+# activation checkpointing full and without it, the same settings otherwise. (GPUs, EP, [dispatch] buffers, experts'
+# gradient bytes, [activation_checkpoint] mode, GiB, run)
+# Eager: worklogs/2026-11-28-planner-checkpointing-peaks.md (EP = 1 on one H200; EP = 2 all_to_all on 2 H200s, the
+# experts' gradients kept in bf16 as 'auto' picks there). Compiled, EP = 1: worklogs/2026-11-25-export.md.
+MEASURED_AC = [
+    (1, 1, "exact", 4, "none", 97.4, "eager"),
+    (1, 1, "exact", 4, "full", 87.2, "eager, AC full"),
+    (2, 2, "exact", 2, "none", 50.7, "all_to_all eager"),
+    (2, 2, "exact", 2, "full", 47.2, "all_to_all eager, AC full"),
+    (1, 1, "exact", 4, "none", 98.5, "export eager"),
+    (1, 1, "exact", 4, "none", 97.2, "export compiled"),
+    (1, 1, "exact", 4, "full", 86.6, "export compiled, AC full"),
+]
+# The planner counts eager's memory; compiled under full checkpointing at EP = 1 peaked 10.3% below its figure (it
+# counts 6.3 GiB saved by checkpointing there, eager measured 10.2 GiB saved): a known gap, kept in view.
+GAPS = {"export compiled, AC full": "10.3% above the compiled peak: less saved by full checkpointing at EP = 1 "
+                                    "than measured"}
+
+
+@pytest.mark.parametrize("gpus, ep, buffers, grads, ac, measured, run", [
+    pytest.param(*row, marks=[pytest.mark.xfail(strict=True, reason=GAPS[row[-1]])] if row[-1] in GAPS else [],
+                 id=f"ep{row[1]}-ac_{row[4]}-{row[-1].replace(' ', '-').replace(',', '')}") for row in MEASURED_AC])
+def test_memory_with_and_without_checkpointing_is_within_10_percent_of_the_measured_peak(gpus, ep, buffers, grads, ac,
+                                                                                         measured, run):
+    layout = Layout(1, gpus, ep, 1, ac, "local" if ep == 1 else "all_to_all")
+    predicted = plan.memory(SHAPE_8L, layout, Run(4096, 2, 8, buffers, grads)).total / GIB
+    assert abs(predicted / measured - 1) <= 0.10, (run, predicted, measured)
+
+
+# -- the exchanges a checkpointed layer keeps, measured on gloo ranks --------------------------------------------
+
+KEPT_SHAPE = Shape(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=64, vocab=100, experts=16, top_k=4, inter=32)
+KEPT_TOKENS = 4096
+
+
+def kept_worker(rank, world, port, failures):
+    """One MoE layer at EP = 2 whose dispatcher keeps its exchanges for a recompute, routed as the planner assumes
+    (each token's k experts uniform among all), under bf16 autocast; -> the bytes it kept, through `failures`
+    if wrong."""
+    from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
+    from torchtitan_moe.dispatch.seam import Routing
+    from torchtitan_moe.moe import MoE, MoEArgs
+
+    with rank_group(rank, world, port, failures):
+        s, T = KEPT_SHAPE, KEPT_TOKENS
+        torch.manual_seed(0)
+        layer = MoE(MoEArgs(num_experts=s.experts, top_k=s.top_k, inter_dim=s.inter, padding="none"), s.dim)
+        layer.init_weights(out_std=0.1)
+        mine = slice(rank * s.experts // world, (rank + 1) * s.experts // world)
+        layer.experts.w13 = torch.nn.Parameter(layer.experts.w13.detach()[mine].clone())
+        layer.experts.w2 = torch.nn.Parameter(layer.experts.w2.detach()[mine].clone())
+        dispatcher = AllToAllDispatcher(s.experts, dist.group.WORLD)
+        dispatcher.keep_exchanges = True  # as parallelize sets it for a checkpointed block
+        layer.set_dispatcher(dispatcher)
+        g = torch.Generator().manual_seed(10 + rank)
+        experts = torch.rand(T, s.experts, generator=g).argsort(dim=1)[:, : s.top_k]
+        routing = Routing(torch.full((T, s.top_k), 1 / s.top_k), experts,
+                          torch.bincount(experts.flatten(), minlength=s.experts), torch.zeros(T, s.experts), None)
+        layer.router.forward = lambda x, **kwargs: routing
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(torch.randn(1, T, s.dim, generator=g, requires_grad=True))
+        kept = sum(t.nbytes for item in dispatcher._kept if isinstance(item, list) for t in item
+                   if isinstance(t, torch.Tensor))
+        total = torch.tensor(float(kept), dtype=torch.float64)
+        dist.all_reduce(total)
+        predicted = (plan.memory(s, Layout(1, 2, 2, 1, "full", "all_to_all"), Run(T, 1)).activations
+                     - plan.memory(s, Layout(1, 2, 1, 1, "full", "local"), Run(T, 1)).activations)
+        mean = total.item() / world  # the planner's figure is a rank's on average
+        assert abs(predicted / mean - 1) < 0.02, (rank, kept, mean, predicted)
+
+
+def test_full_checkpointing_keeps_the_exchanges_the_dispatcher_keeps():
+    # What EP adds to a checkpointed model's memory is the exchanges its dispatchers keep for the recompute: the
+    # rows in, their metadata and the rows back (2.27 MB a rank here), measured against the planner's count.
+    run_ranks(kept_worker, 2)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtitan_moe.moe.router import Router, balanced_experts, count_tokens
+from torchtitan_moe.moe.router import Router, RouterOptions, balanced_experts, count_tokens
 
 
 def reference_route(x, weight, bias, top_k, score_func, route_norm, route_scale):
@@ -25,7 +25,8 @@ def reference_route(x, weight, bias, top_k, score_func, route_norm, route_scale)
 @pytest.mark.parametrize("route_norm", [True, False])
 def test_router_matches_dense_reference(score_func, route_norm):
     torch.manual_seed(0)
-    router = Router(32, num_experts=8, top_k=3, score_func=score_func, route_norm=route_norm, route_scale=2.5)
+    router = Router(32, num_experts=8, top_k=3,
+                    options=RouterOptions(score_func=score_func, route_norm=route_norm, route_scale=2.5))
     router.init_weights()
     router.gate.weight.data.normal_(std=0.3)
     router.expert_bias.copy_(torch.randn(8) * 0.05)
@@ -45,7 +46,7 @@ def test_router_matches_dense_reference(score_func, route_norm):
 
 def test_expert_bias_selects_but_does_not_weigh():
     torch.manual_seed(1)
-    router = Router(16, num_experts=4, top_k=1, route_norm=False)
+    router = Router(16, num_experts=4, top_k=1, options=RouterOptions(route_norm=False))
     router.init_weights()
     x = torch.randn(20, 16)
     router.expert_bias.copy_(torch.tensor([0.0, 0.0, 10.0, 0.0]))  # overwhelms every score
@@ -97,7 +98,7 @@ def test_forced_balance_is_exactly_balanced():
 
 
 def test_zero_init_gate_sends_every_token_to_the_same_experts():
-    router = Router(16, num_experts=8, top_k=2, init_std=0.0)
+    router = Router(16, num_experts=8, top_k=2, options=RouterOptions(init_std=0.0))
     router.init_weights()
     routing = router(torch.randn(30, 16))
     assert (routing.tokens_per_expert > 0).sum() == 2  # the failure the init checks catch
@@ -108,7 +109,8 @@ def test_routing_is_a_pytree_of_its_tensors():
     # opaque Routing left the gate's weights freed in backward ("storage of size 0").
     import torch.utils._pytree as pytree
 
-    router = Router(8, num_experts=4, top_k=2, balance_loss="sequence", balance_loss_coeff=0.1, z_loss_coeff=0.01)
+    router = Router(8, num_experts=4, top_k=2,
+                    options=RouterOptions(balance_loss="sequence", balance_loss_coeff=0.1, z_loss_coeff=0.01))
     router.init_weights()
     routing = router(torch.randn(6, 8), seq_len=3)
     leaves = pytree.tree_flatten(routing)[0]

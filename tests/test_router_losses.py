@@ -12,8 +12,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from torchtitan_moe.models.qwen3_moe.parallelize import compile_router
-from torchtitan_moe.moe import MoE, MoEArgs, Router
-from torchtitan_moe.moe.balance import reduce_step_stats
+from torchtitan_moe.moe import MoE, MoEArgs, Router, RouterOptions
+from torchtitan_moe.moe.balance import reduce_step_stats, set_aux_loss_scale
 from torchtitan_moe.moe.router import balanced_experts, group_limited_topk
 from torchtitan_moe.moe.router_losses import balance_loss, sequence_balance_loss
 
@@ -59,7 +59,7 @@ def ref_z_loss(logits):
 
 def make_router(seed=0, **kwargs):
     torch.manual_seed(seed)
-    router = Router(DIM, EXPERTS, TOP_K, **kwargs)
+    router = Router(DIM, EXPERTS, TOP_K, RouterOptions(**kwargs))
     router.init_weights()
     router.gate.weight.data.normal_(std=0.5)  # decisive routing: no near-ties in top-k
     return router
@@ -169,7 +169,8 @@ def test_no_losses_in_eval_or_without_grad_and_no_counts_either():
 
 def make_layer(seed=0, **router):
     torch.manual_seed(seed)
-    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=12, padding="none", kernels="torch", **router), DIM)
+    layer = MoE(MoEArgs(num_experts=EXPERTS, top_k=TOP_K, inter_dim=12, padding="none", kernels="torch",
+                        router=RouterOptions(**router)), DIM)
     layer.init_weights(out_std=0.1)
     layer.router.gate.weight.data.normal_(std=0.5)
     return layer
@@ -179,40 +180,37 @@ def test_global_batch_counts_the_step_so_far_and_starts_each_step_afresh():
     """Micro-batch m's f counts micro-batches 1..m of the step; the step hook empties the buffer."""
     coeff, micro_batches = 0.05, 3
     layer = make_layer(balance_loss="global_batch", balance_loss_coeff=coeff)
-    MoE.aux_loss_scale = 1 / micro_batches
-    try:
-        xs = [torch.randn(2, 5, DIM) for _ in range(micro_batches + 1)]
-        with torch.no_grad():
-            experts = [layer.router(x.reshape(-1, DIM)).experts for x in xs]
-        values = []
-        for x in xs[:micro_batches]:
-            (layer(x) * 0).sum().backward()  # the gate's gradient is the balance loss's alone
-        gate_grad = layer.router.gate.weight.grad.clone()
-        assert layer.router.global_counts.tolist() == torch.bincount(
-            torch.cat(experts[:micro_batches]).flatten(), minlength=EXPERTS).tolist()
-        reduce_step_stats([layer], group=None)
-        values.append(float(layer.last_router_losses[0]))
+    set_aux_loss_scale([layer], 1 / micro_batches)  # as the trainer does
+    xs = [torch.randn(2, 5, DIM) for _ in range(micro_batches + 1)]
+    with torch.no_grad():
+        experts = [layer.router(x.reshape(-1, DIM)).experts for x in xs]
+    values = []
+    for x in xs[:micro_batches]:
+        (layer(x) * 0).sum().backward()  # the gate's gradient is the balance loss's alone
+    gate_grad = layer.router.gate.weight.grad.clone()
+    assert layer.router.global_counts.tolist() == torch.bincount(
+        torch.cat(experts[:micro_batches]).flatten(), minlength=EXPERTS).tolist()
+    reduce_step_stats([layer], group=None)
+    values.append(float(layer.last_router_losses[0]))
 
-        def objective(x64, weight):
-            total = 0.0
-            for m in range(micro_batches):
-                seen = torch.cat(experts[: m + 1])
-                f = ref_f(seen, EXPERTS, TOP_K, len(seen))
-                p = ref_p(ref_logits_scores(xs[m].reshape(-1, DIM).double(), weight, "softmax")[1])
-                total = total + (f * p).sum() / micro_batches
-            return total
+    def objective(x64, weight):
+        total = 0.0
+        for m in range(micro_batches):
+            seen = torch.cat(experts[: m + 1])
+            f = ref_f(seen, EXPERTS, TOP_K, len(seen))
+            p = ref_p(ref_logits_scores(xs[m].reshape(-1, DIM).double(), weight, "softmax")[1])
+            total = total + (f * p).sum() / micro_batches
+        return total
 
-        ref, ref_gate, _ = ref_grads(objective, layer.router, xs[0].reshape(-1, DIM))
-        assert values[0] == pytest.approx(float(ref), rel=1e-6)  # the logged mean over micro-batches
-        torch.testing.assert_close(gate_grad.double(), coeff * ref_gate, rtol=1e-5, atol=1e-9)
+    ref, ref_gate, _ = ref_grads(objective, layer.router, xs[0].reshape(-1, DIM))
+    assert values[0] == pytest.approx(float(ref), rel=1e-6)  # the logged mean over micro-batches
+    torch.testing.assert_close(gate_grad.double(), coeff * ref_gate, rtol=1e-5, atol=1e-9)
 
-        # The next step's first micro-batch counts itself alone: its loss is the micro-batch one.
-        assert layer.router.global_counts.sum() == 0
-        routing = layer.router(xs[-1].reshape(-1, DIM))
-        assert routing.balance_loss.item() == pytest.approx(
-            float(balance_loss(routing.scores, routing.tokens_per_expert)), rel=1e-6)
-    finally:
-        MoE.aux_loss_scale = 1.0
+    # The next step's first micro-batch counts itself alone: its loss is the micro-batch one.
+    assert layer.router.global_counts.sum() == 0
+    routing = layer.router(xs[-1].reshape(-1, DIM))
+    assert routing.balance_loss.item() == pytest.approx(
+        float(balance_loss(routing.scores, routing.tokens_per_expert)), rel=1e-6)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -282,7 +280,7 @@ def test_group_limited_routing_matches_the_definition_and_stays_in_its_groups(
 
 def test_router_with_groups_routes_inside_them_and_limits_groups_per_token():
     torch.manual_seed(5)
-    router = Router(DIM, 16, 4, score_func="sigmoid", n_groups=4, topk_groups=2)
+    router = Router(DIM, 16, 4, RouterOptions(score_func="sigmoid", n_groups=4, topk_groups=2))
     router.init_weights()
     router.gate.weight.data.normal_(std=0.5)
     router.expert_bias.copy_(torch.randn(16) * 0.1)
@@ -294,7 +292,7 @@ def test_router_with_groups_routes_inside_them_and_limits_groups_per_token():
     groups_used = [len({e // 4 for e in row}) for row in routing.experts.tolist()]
     assert max(groups_used) == 2 and min(groups_used) >= 1
     # Without the limit some tokens would use more than 2 groups: the limit is doing something.
-    free = Router(DIM, 16, 4, score_func="sigmoid")
+    free = Router(DIM, 16, 4, RouterOptions(score_func="sigmoid"))
     free.load_state_dict(router.state_dict())
     assert max(len({e // 4 for e in row}) for row in free(x).experts.tolist()) > 2
 
@@ -304,15 +302,15 @@ def test_router_with_groups_routes_inside_them_and_limits_groups_per_token():
     [
         (dict(n_groups=3), "n_groups = 3: must divide num_experts (8)"),
         (dict(n_groups=4, topk_groups=5), "topk_groups = 5: must be in 1..n_groups (4)"),
-        (dict(n_groups=4, topk_groups=3), "top_k = 2: group-limited routing needs topk_groups (3) <= top_k"),
+        (dict(n_groups=4, topk_groups=3), "topk_groups = 3: more than top_k (2) groups cannot all be used"),
         (dict(n_groups=4, force_balance=True), "force_balance sends tokens round-robin"),
-        (dict(balance_loss="sequence"), "balance_loss_coeff = 0.0: must be > 0 with balance_loss = 'sequence'"),
-        (dict(balance_loss_coeff=0.1), "balance_loss_coeff = 0.1: must be > 0 with balance_loss = 'none', 0 with"),
+        (dict(balance_loss="sequence"), "balance_loss = 'sequence' needs balance_loss_coeff > 0"),
+        (dict(balance_loss_coeff=0.1), "balance_loss_coeff = 0.1 has no loss to weigh"),
         (dict(balance_loss="global", balance_loss_coeff=0.1), "balance_loss = 'global': expected one of"),
         (dict(z_loss_coeff=-1.0), "z_loss_coeff = -1.0: must be >= 0"),
     ],
 )
 def test_bad_router_arguments_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError) as err:
-        Router(DIM, EXPERTS, TOP_K, **kwargs)
+        Router(DIM, EXPERTS, TOP_K, RouterOptions(**kwargs))
     assert message in str(err.value) and "\n" not in str(err.value)

@@ -1,4 +1,4 @@
-"""A training step reads nothing back to the host besides logging (issue 21 asked for at most 2): with
+"""A training step reads nothing back to the host besides logging: with
 `[dispatch] buffers = "worst_case"` the EP = 2 step has no per-layer split-size sync either. Counted on
 CPU/gloo (tests/host_reads.py: each read there is a host sync on a GPU), over the whole train_step
 (forward, backward, clipping, optimizer and expert-bias update) of steps that log nothing.

@@ -217,7 +217,7 @@ def test_kernels_count_in_the_step_that_launched_them_when_the_gpu_runs_behind(t
 def test_a_kernel_launched_before_the_trace_counts_in_no_step(tmp_path):
     """The profiler's warm-up step launched an AdamW kernel whose launch the trace does not hold (correlation
     3); it runs at 200-500, inside step 4's host range, behind the GPU's backlog. Step 4 launches its own at
-    900 (run at 1200-1500): one AdamW kernel a step, not two in step 4 (session 13's trace counted AdamW at
+    900 (run at 1200-1500): one AdamW kernel a step, not two in step 4 (a real trace was counted AdamW at
     26.8 ms a step for its 20.1)."""
     events = [event("ProfilerStep#4", "user_annotation", 0, 1000, pid=1, tid=1),
               event("ProfilerStep#5", "user_annotation", 1000, 1000, pid=1, tid=1),

@@ -5,6 +5,7 @@ Hugging Face export."""
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ pytestmark = [
 ]
 
 RUNS = {
-    # The default recipe ends with a Hugging Face export of its last step (issue 22).
+    # The default recipe ends with a Hugging Face export of its last step.
     "learns": ["--training.steps", "30", "--checkpoint.enable", "--checkpoint.last_save_in_hf",
                "--checkpoint.last_save_model_only"],
     "ep2_bf16": ["--training.steps", "4", "--parallelism.expert_parallel_degree", "2",
@@ -73,7 +74,7 @@ for moments, update in (("float32", "auto"), ("bfloat16", "auto"), ("float32", "
 
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a plain CPU run must not print (issue 24): warnings that say nothing a user can act on,
+# What a plain CPU run must not print: warnings that say nothing a user can act on,
 # torchtitan's A100 fallback and the MFU columns without a peak, colour codes in a log file.
 NOISE = ("Warning", "warnings.warn", "lspci", "Peak flops", "Peak FLOPS", "tflops", "mfu", "\x1b[",
          "OMP_NUM_THREADS", "will be overridden")
@@ -112,6 +113,11 @@ def launched(tmp_path_factory) -> Path:
     plan.append({"stale": ["--job.dump_folder", str(d / "stale"), "--training.steps", "4", "--checks.monitor_freq",
                            "2", "--parallelism.expert_parallel_degree", "2", "--training.mixed_precision_param",
                            "bfloat16"], "out": str(d / "stale.txt")})
+    # lr 1e4 diverges after step 1: the run stops at the next save (step 2 is saved, finite) or logged step,
+    # naming the first non-finite step and the last good checkpoint ([training] on_nonfinite = "stop").
+    plan.append({"diverged": ["--job.dump_folder", str(d / "diverged"), "--training.steps", "8", "--optimizer.lr",
+                              "1e4", "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "--checkpoint.interval",
+                              "2", "--metrics.log_freq", "3"], "out": str(d / "diverged.txt")})
     # A run's close() stops its data worker (the debug config has one), not the garbage collector 5 s later.
     plan.append({"train": ["--job.dump_folder", str(d / "workers"), "--training.steps", "2"],
                  "data_workers": str(d / "data_workers.json")})
@@ -189,7 +195,7 @@ def test_expert_parallel_bf16_mixed_precision(runs):
 def test_experts_outside_fsdp_train_as_under_it_without_its_copies(runs, launched, optimizer):
     # EP = 2 on 2 processes: the experts' FSDP group would have one rank. They stay outside FSDP2 (fp32
     # master weights on the EP mesh and a bf16 working copy the GEMMs read: no all-gather or reduce-scatter
-    # copies, issue 21) and train bit for bit as they did under FSDP2 (the same casts; a sum over one rank
+    # copies) and train bit for bit as they did under FSDP2 (the same casts; a sum over one rank
     # is exact): torch's AdamW (the copies cast after each step) and ours (the copies written by the update).
     name = {"torch": "ep2_bf16", "ours": "ep2_bf16_adamw"}[optimizer]
     layouts = {n: json.loads((launched / f"{n}.experts.json").read_text()) for n in (name, f"{name}_experts_in_fsdp")}
@@ -256,8 +262,8 @@ def test_our_train_step_trains_as_torchtitans_bit_for_bit(runs):
     # router losses per layer), but for the timings.
     ours, theirs = runs["recipe"], runs["recipe_torchtitan_step"]
     assert len(ours) == len(theirs) == 3
-    timings = ("time", "throughput(tps)", "tflops", "mfu(%)", "time_metrics/end_to_end(s)", "memory/max_reserved(GiB)",
-               "memory/max_active(GiB)")
+    timings = ("time", "throughput(tps)", "tflops", "mfu(%)", "tflops_causal", "mfu_causal(%)",
+               "time_metrics/end_to_end(s)", "memory/max_reserved(GiB)", "memory/max_active(GiB)")
     for a, b in zip(ours, theirs):
         assert "moe/balance_loss_per_layer" in a and a["n_tokens_seen"] == b["n_tokens_seen"] > 0
         assert {k: v for k, v in a.items() if k not in timings} == {k: v for k, v in b.items() if k not in timings}
@@ -298,3 +304,36 @@ def test_clipping_inside_the_optimizer_trains_as_torchtitans_clip(runs, moments)
     assert ours[0]["grad_norm"] == theirs[0]["grad_norm"]  # the same norm of the same gradients
     for a, b in zip(ours, theirs):  # then grad / scale against grad * coefficient: rounding apart
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_a_diverged_run_stops_before_saving_nan(launched):
+    # lr 1e4 blows the weights up after step 1: the run stops at its next save or logged step, naming the first
+    # non-finite step and the last good checkpoint; every saved step is older than it and finite.
+    from torchtitan_moe.hf.convert import load_dcp
+    from torchtitan_moe.train.checkpoint import model_shapes, read_dcp_metadata
+
+    message = (launched / "diverged.txt").read_text()
+    found = re.match(r"step (\d+): the (loss|gradient norm|loss and the gradient norm) is not finite: training "
+                     r"diverged; nothing was saved from step \1 on; ", message)
+    assert found, message
+    bad = int(found[1])
+    dump = launched / "diverged"
+    saved = sorted(int(p.name.split("-")[1]) for p in (dump / "checkpoint").glob("step-*"))
+    assert all(s < bad for s in saved), (saved, bad)
+    assert (f"the last good checkpoint is step {saved[-1]} " in message) if saved else "no checkpoint was saved" in message
+    for step in saved:
+        folder = str(dump / "checkpoint" / f"step-{step}")
+        metadata = read_dcp_metadata(folder)
+        tensors = load_dcp(folder, list(model_shapes(metadata)), metadata)
+        assert all(bool(t.isfinite().all()) for t in tensors.values()), step
+    logged = {r["step"]: r["loss"] for r in map(json.loads, (dump / "metrics.jsonl").read_text().splitlines())}
+    assert all(math.isfinite(loss) for step, loss in logged.items() if step < bad)
+
+
+def test_every_saved_step_carries_checksums_that_verify(launched):
+    from torchtitan_moe.train.checksums import CHECKSUMS_FILE, checksum_problem
+
+    step = launched / "bf16_moments" / "checkpoint" / "step-4"
+    manifest = json.loads((step / CHECKSUMS_FILE).read_text())
+    assert sorted(manifest["files"]) == sorted(p.name for p in step.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert checksum_problem(str(step)) is None

@@ -11,7 +11,7 @@ import torch
 from ops_helpers import random_routing
 
 from torchtitan_moe import ops
-from torchtitan_moe.moe import MoE, MoEArgs
+from torchtitan_moe.moe import MoE, MoEArgs, RouterOptions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -133,7 +133,7 @@ def test_compiled_layer_matches_eager(kernels):
     """The MoE layer under torch.compile(fullgraph=True): no graph break, same results."""
     torch.manual_seed(0)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    layer = MoE(MoEArgs(num_experts=8, top_k=2, inter_dim=32, kernels=kernels, router_init_std=0.5), 64).to(DEVICE)
+    layer = MoE(MoEArgs(num_experts=8, top_k=2, inter_dim=32, kernels=kernels, router=RouterOptions(init_std=0.5)), 64).to(DEVICE)
     layer.init_weights(out_std=0.05)
     layer.experts.to(dtype)
     compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)

@@ -113,10 +113,10 @@ def test_gpu_router_size():
 def test_router_takes_the_fast_gate_for_bf16_tokens_compiled_too(device):
     # The router's fp32 gate of bf16 tokens (its inputs stay bf16 under FSDP2, parallelize): the same scores
     # as the fp32 GEMM to fp32 rounding and the same experts, eager and as parallelize compiles `route`.
-    from torchtitan_moe.moe.router import Router
+    from torchtitan_moe.moe.router import Router, RouterOptions
 
     torch.manual_seed(0)
-    router = Router(256, 16, 4, init_std=0.5).to(device)
+    router = Router(256, 16, 4, RouterOptions(init_std=0.5)).to(device)
     router.init_weights()
     x = torch.randn(64, 256, device=device).to(torch.bfloat16)
     ref = router.route(x)

@@ -28,6 +28,7 @@ from torchtitan.config import JobConfig as TorchtitanJobConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.distributed.activation_checkpoint import apply_ac
+from torchtitan.models.attention import FlexAttentionWrapper, create_attention_mask, get_causal_mask_mod
 from torchtitan.models.moe import MoE as TorchtitanMoE
 from torchtitan.models.moe import MoEArgs as TorchtitanMoEArgs
 from torchtitan.models.qwen3 import Qwen3Model as TorchtitanQwen3Model
@@ -53,6 +54,7 @@ __all__ = [
     "BaseTokenizer",
     "ConfigManager",
     "DataloaderExhaustedError",
+    "FlexAttentionWrapper",
     "IGNORE_INDEX",
     "MetricsProcessor",
     "ModelProtocol",
@@ -72,10 +74,12 @@ __all__ = [
     "build_lr_schedulers",
     "build_optimizers",
     "check_torchtitan_version",
+    "create_attention_mask",
     "data_parallel_mesh",
     "dist_utils",
     "enable_cpu_training",
     "exit_process",
+    "get_causal_mask_mod",
     "get_train_spec",
     "init_logger",
     "logger",
@@ -83,6 +87,7 @@ __all__ = [
     "precompute_rope_cache",
     "register_train_spec",
     "replace_clip_grad_norm",
+    "route_checkpoint_saves",
     "torchtitan_parallelize_qwen3",
     "trunc_normal_",
     "use_sum_reductions",
@@ -98,6 +103,36 @@ def replace_clip_grad_norm(make_clip) -> None:
     make_clip(torchtitan's function) -> the function the steps call from now on, with its signature
     (optimizer.clip_in_optimizer: the clipping applied inside the optimizer's update)."""
     dist_utils.clip_grad_norm_ = make_clip(_TORCHTITAN_CLIP_GRAD_NORM)
+
+
+class _DcpWithWriter:
+    """torch.distributed.checkpoint as torchtitan's checkpoint module sees it: a save given no storage
+    writer of its own writes through make_writer(checkpoint_id)."""
+
+    def __init__(self, dcp, make_writer):
+        self.dcp, self.make_writer = dcp, make_writer
+
+    def save(self, state_dict, *, checkpoint_id=None, storage_writer=None, **kwargs):
+        if storage_writer is None and checkpoint_id is not None:
+            storage_writer = self.make_writer(str(checkpoint_id))
+        return self.dcp.save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs)
+
+    def async_save(self, state_dict, *, checkpoint_id=None, storage_writer=None, **kwargs):
+        if storage_writer is None and checkpoint_id is not None:
+            storage_writer = self.make_writer(str(checkpoint_id))
+        return self.dcp.async_save(state_dict, checkpoint_id=checkpoint_id, storage_writer=storage_writer, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.dcp, name)
+
+
+def route_checkpoint_saves(make_writer) -> None:
+    """torchtitan's CheckpointManager saves with `dcp.save` / `dcp.async_save`: from now on every such save
+    without a writer of its own (all but the Hugging Face export) writes through make_writer(checkpoint_id)."""
+    import torchtitan.components.checkpoint as checkpoint_module
+
+    dcp = checkpoint_module.dcp
+    checkpoint_module.dcp = _DcpWithWriter(getattr(dcp, "dcp", dcp), make_writer)
 
 
 def check_torchtitan_version() -> None:

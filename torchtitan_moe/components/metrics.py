@@ -1,6 +1,6 @@
 """The step line and the per-step record: torchtitan's metrics plus what MoE training needs.
 
-    step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  tflops: 312.4  mfu: 31.6%
+    step:  20  loss:  2.31  grad_norm: 0.41  memory: 0.52GiB  tps: 18,200  tflops: 312.4  mfu: 31.6% (causal 26.1%)
           | moe balance: 1.0031  z: 4.3712  load max/mean: 1.21  cv: 0.09  dead: 0  ep max/mean: 1.04
           | ranks grad max/min: 1.3          (monitor steps only)
 
@@ -9,7 +9,9 @@ over layers; shown when on); `moe/aux_loss` is what they add to the objective, t
 
 MFU is model FLOPs per second (6 x active parameters + attention, per token) over a peak
 named once at the start: `[metrics] peak_tflops`, or torchtitan's table for the GPU's name
-(dense bf16: 989 for H100 SXM and H200). On a CPU there is no peak and no MFU.
+(dense bf16: 989 for H100 SXM and H200). On a CPU there is no peak and no MFU. Two counts
+(components/flops.py): torchtitan's (`tflops`, `mfu(%)`, attention's whole score matrix) and the
+causal one Megatron-style counts use (`tflops_causal`, `mfu_causal(%)`, half of it).
 
 Rank 0 also appends every logged step to `<dump_folder>/metrics.jsonl` (full precision),
 which the parity harness and the tests read. The MoE numbers come from the statistics the
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from torchtitan_moe.components.checks.monitors import TrainingMonitor
+from torchtitan_moe.components.flops import causal_flops_per_token
 from torchtitan_moe.moe.balance import moe_layers
 from torchtitan_moe.moe.experts import working_copy_flags
 from torchtitan_moe.compat.torchtitan import MetricsProcessor, logger
@@ -50,7 +53,8 @@ ROUTER_LOSSES = ("balance_loss", "z_loss")  # the columns of MoE.last_router_los
 
 def router_coefficients(layers: list) -> torch.Tensor | None:
     """[L, 2] fp64: each layer's coefficients of its router losses, or None when no term is on."""
-    coeffs = torch.tensor([[m.router.balance_loss_coeff, m.router.z_loss_coeff] for m in layers], dtype=torch.float64)
+    coeffs = torch.tensor([[m.router.options.balance_loss_coeff, m.router.options.z_loss_coeff] for m in layers],
+                          dtype=torch.float64)
     return coeffs if layers and (coeffs > 0).any() else None
 
 
@@ -99,6 +103,7 @@ class MoEMetricsProcessor(MetricsProcessor):
         self.last_logged_step: int | None = None  # monitor steps make the log interval uneven
         self.gpu_peak_flops = peak_flops(job_config.metrics.peak_tflops, self.gpu_peak_flops,
                                          self.device_memory_monitor.device_name)
+        self.model_args, self.seq_len = model_args, job_config.training.seq_len  # for the causal count
 
     def should_log(self, step: int) -> bool:
         # Monitor steps are always logged, so their per-rank numbers reach the step line.
@@ -139,7 +144,10 @@ class MoEMetricsProcessor(MetricsProcessor):
         if ntokens is None:
             ntokens, self.ntokens_since_last_log = self.ntokens_since_last_log, 0
         tps = ntokens / (elapsed * self.parallel_dims.non_data_parallel_size)
-        tflops = self.num_flops_per_token * tps / 1e12
+        causal = (None if self.model_args is None
+                  else causal_flops_per_token(self.num_flops_per_token, self.model_args, self.seq_len))
+        rates = flop_rates(tps, self.num_flops_per_token, causal, self.gpu_peak_flops)
+        tflops = rates["tflops"]
         mem = self.device_memory_monitor.get_peak_stats()
         state = self.step_state(step) if state is None else state
         host = {name: t.cpu() for name, t in state.tensors.items()}
@@ -155,8 +163,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             "loss_metrics/global_max_loss": global_max_loss,
             "grad_norm": grad_norm,
             "throughput(tps)": tps,
-            "tflops": tflops,
-            **({"mfu(%)": 100 * tflops * 1e12 / self.gpu_peak_flops} if self.gpu_peak_flops else {}),
+            **rates,
             "time_metrics/end_to_end(s)": elapsed / (step - self.last_logged_step if self.last_logged_step else 1),
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_active(GiB)": mem.max_active_gib,
@@ -173,7 +180,10 @@ class MoEMetricsProcessor(MetricsProcessor):
             f"{c.blue}tps: {round(tps):,}{c.reset}"
         )
         if "mfu(%)" in metrics:  # only where a peak is known (a GPU, or [metrics] peak_tflops)
-            line += f"  {c.cyan}tflops: {tflops:,.2f}  {c.magenta}mfu: {metrics['mfu(%)']:.1f}%{c.reset}"
+            line += f"  {c.cyan}tflops: {tflops:,.2f}  {c.magenta}mfu: {metrics['mfu(%)']:.1f}%"
+            if "mfu_causal(%)" in metrics:
+                line += f" (causal {metrics['mfu_causal(%)']:.1f}%)"
+            line += c.reset
         if "moe/load_cv" in metrics:
             line += "  | moe"
             if "moe/balance_loss" in metrics:
@@ -215,6 +225,20 @@ class MoEMetricsProcessor(MetricsProcessor):
             raise RuntimeError(f"step {step}: the experts' bf16 working copies of {', '.join(stale)} differ "
                                "from their fp32 weights (changed outside the optimizer's update?): training "
                                "would read stale weights")
+
+
+def flop_rates(tps: float, flops_per_token: int, causal_flops_per_token: int | None,
+               peak_flops: float | None) -> dict[str, float]:
+    """tokens/s/GPU -> TFLOP/s and MFU in torchtitan's count (`tflops`, `mfu(%)`) and the causal count
+    (`tflops_causal`, `mfu_causal(%)`; components/flops.py), each MFU only where a peak is known."""
+    rates = {"tflops": flops_per_token * tps / 1e12}
+    if causal_flops_per_token is not None:
+        rates["tflops_causal"] = causal_flops_per_token * tps / 1e12
+    if peak_flops:
+        rates["mfu(%)"] = 100 * rates["tflops"] * 1e12 / peak_flops
+        if "tflops_causal" in rates:
+            rates["mfu_causal(%)"] = 100 * rates["tflops_causal"] * 1e12 / peak_flops
+    return rates
 
 
 def peak_flops(override_tflops: float, table_flops: float, device_name: str) -> float | None:

@@ -7,12 +7,12 @@ moments in bf16 (Megatron-Core's precision-aware optimizer offers the same), whi
 per parameter (22 GB of a 5.6B-parameter model) and moves 20 instead of 28 bytes per parameter in
 the update. The update itself is fp32 (ops/adamw.py); only the stored moments are rounded
 (stochastically: unbiased). The master weights stay fp32. What the rounding costs in learning is
-measured, not assumed: worklogs/2026-11-25-bf16-moments.md. With fp32 moments ours is torch's AdamW
+measured, not assumed (a 500-step loss comparison, docs/performance.md). With fp32 moments ours is torch's AdamW
 up to fp32 rounding order, in one Triton pass over each parameter, one launch for each group of parameters
 that share dtypes and step (28 bytes moved per parameter, torch's fused
 AdamW 1.14x slower on an H100, kernels/bench_adamw.py), and it writes the experts' bf16 working copies
 in that pass (moe/experts.py) where torch's leaves them to be cast after the step: on a GPU it is the
-default (1.035x the training step on 2 H200s, worklogs/2026-11-26-session4-h200x2.md).
+default (1.035x the training step on 2 H200s).
 
 Both our model and the torchtitan baseline build their optimizer here, so a comparison of the two
 uses the same optimizer.
@@ -25,8 +25,7 @@ and ours divide each gradient by as they read it; optimizers that cannot take it
 
 `[optimizer] expert_grad_dtype` (keep_expert_gradients; "auto" where a step reads them) leaves the experts'
 weight gradients on their bf16 working copies instead of fp32 copies on the master weights; ours and the
-clip's norm read them there (1.006x the step at local batch 4 on 2 H200s, 1.06-1.16x at local batch 2:
-worklogs/2026-11-26-session6-h200x2.md).
+clip's norm read them there (1.006x the step at local batch 4 on 2 H200s, 1.06-1.16x at local batch 2).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ torchtitan merges `JobConfig` below into its own (``job.custom_config_module =
 "torchtitan_moe.config.sections"``, which our entry points add by themselves), so these sections
 live in the same TOML file and take the same ``--section.key value`` overrides.
 
+[moe] and [router] are the MoE layer's settings as moe/options.py declares them, redeclared here only
+where a run's default differs from a bare layer's; `moe_args` turns them into the layers' args.
+
 Every problem is reported as one `ConfigError` line that names the key and what is allowed.
 This module imports nothing from torchtitan: the merged config class is passed in. No
 `from __future__ import annotations` here: torchtitan and the checks read real field types.
@@ -12,10 +15,13 @@ This module imports nothing from torchtitan: the merged config class is passed i
 
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-ALIGNMENTS = (8, 16, 32)
+from torchtitan_moe.dispatch import registry
+from torchtitan_moe.moe.options import MoEArgs, MoEOptions, RouterOptions, moe_problem
+from torchtitan_moe.moe.router_losses import BalanceLoss
+
 MODEL_NAMES = ("qwen3_moe", "torchtitan_qwen3_moe")
 
 
@@ -29,8 +35,11 @@ REPLACED_KEYS = {
 }
 
 
+# [moe] and [router]: moe/options.py's, with a run's defaults. No class docstrings: --help would print them.
+
+
 @dataclass
-class Moe:
+class Moe(MoEOptions):  # the shape defaults to the model flavor's
     num_experts: int | None = None
     """Routed experts per MoE layer (default: the model flavor's)."""
 
@@ -40,66 +49,35 @@ class Moe:
     inter_dim: int | None = None
     """Hidden size of each expert (default: the model flavor's)."""
 
-    padding: Literal["none", "auto", "always"] = "auto"
-    """Pad each expert's rows for torch._grouped_mm: 'auto' pads only where the GPU needs it
-    (compute capability 10.x gives empty groups wrong weight gradients), 'always', 'none'."""
-
-    align: int = 8
-    """Row alignment of each expert's group when padding (8, 16 or 32)."""
-
 
 @dataclass
-class Router:
+class Router(RouterOptions):  # the flavor's scores unless set, and Qwen3's balancing recipe
     score_func: Literal["softmax", "sigmoid"] | None = None
     """Score function over the gate logits (default: the model flavor's)."""
 
     route_norm: bool | None = None
     """Renormalize the top-k probabilities to sum to 1 (default: the model flavor's)."""
 
-    route_scale: float = 1.0
-    """Multiplier on the top-k probabilities."""
-
-    init_std: float = 0.02
-    """Std of the gate's truncated-normal init. 0 reproduces a zero-initialized gate."""
-
     bias_update_rate: float = 0.0
     """Aux-loss-free balancing: step of the expert-bias update per optimizer step (0: off, the default:
     Hugging Face's Qwen3-MoE has no expert bias, so a model trained with one does not export as trained)."""
 
-    balance_loss: Literal["none", "sequence", "micro_batch", "global_batch"] = "global_batch"
-    """Load-balance loss sum_e f_e P_e (1 when balanced), f and P counted per 'sequence' (DeepSeek-V3),
-    per 'micro_batch' (Switch, GShard) or f over the 'global_batch' (Qwen3: all data-parallel ranks and
-    the step's micro-batches so far, one all-reduce of E counts per layer)."""
+    balance_loss: BalanceLoss = "global_batch"
 
     balance_loss_coeff: float = 1e-3
     """Each MoE layer adds coeff x its balance loss (Megatron-LM, DeepSeek-V3); > 0 exactly when
     balance_loss is not 'none'. HF's Qwen3 adds its coefficient once, at top_k x our scale. The
     defaults (global_batch, 1e-3, no expert bias) are Qwen3's recipe, as the shipped configs train."""
 
-    z_loss_coeff: float = 0.0
-    """Weight of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE, OLMoE: 1e-3; 0: off)."""
-
-    n_groups: int = 1
-    """Group-limited routing (DeepSeek-V3): the experts split into this many groups (1: off)."""
-
-    topk_groups: int = 1
-    """Groups a token may use, ranked by the sum of their best top_k // topk_groups choice scores."""
-
-    force_balance: bool = False
-    """Ignore the scores and send tokens round-robin over experts (benchmarks only)."""
-
-    gate_precision: Literal["float32", "param"] = "float32"
-    """The gate's matrix product: 'float32' from fp32 weights (its own FSDP2 group), or 'param':
-    in [training] mixed_precision_param, as torchtitan's Qwen3 does (scores in fp32 either way)."""
-
 
 @dataclass
 class Dispatch:
-    backend: Literal["auto", "local", "all_to_all", "deepep", "all_gather"] = "auto"
-    """How tokens reach their experts: 'local' (EP = 1), 'all_to_all' (torch.distributed,
-    one copy of a token per destination rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8
-    on one node), 'all_gather' (EP = 2 on one node: every token to both ranks on the GPUs' copy
-    engines, no SM held), 'auto' (local at EP = 1; else the faster one in tuned_file, or all_to_all)."""
+    backend: Literal[("auto", *registry.NAMES)] = "auto"
+    """How tokens reach their experts: a dispatcher of torchtitan_moe/dispatch/registry.py, where each says
+    what it takes: 'local' (EP = 1), 'all_to_all' (torch.distributed, one copy of a token per destination
+    rank), 'deepep' (DeepEP's NVLink kernels, EP = 2, 4, 8 on one node), 'all_gather' (EP = 2 on one node:
+    every token to both ranks on the GPUs' copy engines, no SM held); or 'auto' (local at EP = 1; else the
+    fastest in tuned_file that this run can use, else all_to_all)."""
 
     tuned_file: str = ""
     """Your own dispatcher timings and DeepEP settings (`python -m torchtitan_moe.tools.tune_dispatch`
@@ -115,7 +93,7 @@ class Dispatch:
 
     overlap: Literal["none", "chunks"] = "none"
     """EP > 1: 'chunks' splits each MoE layer's tokens in two, one chunk's dispatch or combine in
-    flight while the other's experts compute (moe/chunks.py); opt-in, not yet measured at EP = 2."""
+    flight while the other's experts compute (moe/chunks.py); opt-in: slower at 30B-A3B shapes on 2 H200s."""
 
 
 @dataclass
@@ -132,6 +110,12 @@ class Checks:
     monitor_freq: int = 10
     """Run the training-health monitors every N steps (0: off)."""
 
+    hang_timeout: float = -1.0
+    """Seconds a step (or a save) may take before the run is taken as hung: every rank's stack is written to
+    <dump_folder>/hang/ and the run stops in one line naming where each rank waits (train/watchdog.py).
+    -1: 90% of the collectives' own timeout ([comm] init_timeout_seconds until step 1, then
+    train_timeout_seconds), so the stacks come before the collective's error; 0: off."""
+
     init_fingerprint: bool = False
     """Write <dump_folder>/init_fingerprint.json before step 1: per weight, in torchtitan's Qwen3
     names, its sum and sum of squares in float64 (the parity harness checks runs start alike)."""
@@ -147,6 +131,19 @@ class Data:
 
     synthetic_successors: int = 4
     """Likely next tokens per token in the synthetic stream (lower: easier to learn)."""
+
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """dataset = 'shards': the sources, each a folder of token shards with its share of the samples,
+    e.g. [{path = "shards/web", weight = 0.7}, {path = "shards/code", weight = 0.3}] (weight: default 1).
+    Empty: the one source [training] dataset_path. Make shards with
+    `python -m torchtitan_moe.components.data.prepare` (docs/data.md)."""
+
+    shuffle_seed: int = 0
+    """dataset = 'shards': the seed of the samples' order (which source, which window, each epoch)."""
+
+    attention: Literal["causal", "document"] = "causal"
+    """'causal' over the whole sample, or 'document' (dataset = 'shards'): tokens attend only within their
+    own document and its RoPE positions restart at 0 (flex-attention on a GPU; a dense mask on the CPU)."""
 
     workers: int = 1
     """Processes that make the batches beside training (the DataLoader's num_workers). 0 makes them in the
@@ -216,7 +213,13 @@ class Metrics:
 @dataclass
 class Training:
     dataset: str = "synthetic"
-    """'synthetic' (learnable Markov stream, no files) or 'text' (local files at dataset_path)."""
+    """'synthetic' (learnable Markov stream, no files), 'text' (local files at dataset_path, tokenized as
+    read) or 'shards' (pretokenized shards: [data] sources, or the folder at dataset_path)."""
+
+    on_nonfinite: Literal["stop", "skip_step", "warn"] = "stop"
+    """A step whose loss or gradient norm is NaN or inf: 'stop' the run (one line naming the step and the
+    last good checkpoint, exit status 3, nothing saved from it on), 'skip_step' (its update skipped, with a
+    warning; a host sync per step) or 'warn' (train on). A save from NaN weights is refused whatever this says."""
 
 
 @dataclass
@@ -237,6 +240,18 @@ class JobConfig:
     training: Training = field(default_factory=Training)
 
 
+def moe_args(cfg: Any, flavor: MoEArgs) -> MoEArgs:
+    """The MoE layers' args in a run: the model flavor's, with every [moe] and [router] key the config sets
+    (a key left unset, None, keeps the flavor's), [kernels] backend and [training] mixed_precision_param."""
+    router = replace(flavor.router, **_set_keys(cfg.router))
+    return replace(flavor, **_set_keys(cfg.moe), kernels=cfg.kernels.backend,
+                   param_dtype=cfg.training.mixed_precision_param, router=router)
+
+
+def _set_keys(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in fields(section) if getattr(section, f.name) is not None}
+
+
 # ---------------------------------------------------------------------------------------
 # Semantics: impossible combinations, checked on the parsed config (TOML + CLI overrides).
 # ---------------------------------------------------------------------------------------
@@ -247,9 +262,14 @@ def _need(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _refuse(problem: str | None) -> None:
+    if problem:
+        raise ConfigError(problem)
+
+
 def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = None) -> None:
-    """Check combinations that cannot train. `flavors` maps flavor names to model args
-    (anything with `.moe.num_experts` and `.moe.top_k`)."""
+    """Check combinations that cannot train. `flavors` maps flavor names to model args (their `.moe`,
+    MoEArgs, is what [moe] and [router] update: the MoE layers' args are checked as the layers check them)."""
     _need(
         cfg.model.name in MODEL_NAMES,
         f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "
@@ -264,22 +284,13 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
           f"{cfg.model.name!r} starts from its own init ('own')")
     _need(cfg.model.init_from == "own" or cfg.debug.seed is not None,
           "[model] init_from = 'qwen3_moe' needs [debug] seed: our init draws from it (unset, every run differs)")
-    args = flavors[cfg.model.flavor].moe
-    moe, router, par = cfg.moe, cfg.router, cfg.parallelism
-    num_experts = moe.num_experts if moe.num_experts is not None else args.num_experts
-    top_k = moe.top_k if moe.top_k is not None else args.top_k
-
-    _need(num_experts >= 1, f"[moe] num_experts = {num_experts}: must be >= 1")
-    _need(1 <= top_k <= num_experts, f"[moe] top_k = {top_k}: must be in 1..num_experts ({num_experts})")
-    _need(moe.inter_dim is None or moe.inter_dim >= 1, f"[moe] inter_dim = {moe.inter_dim}: must be >= 1")
-    _need(moe.align in ALIGNMENTS, f"[moe] align = {moe.align}: must be one of 8, 16, 32")
-    _need(router.init_std >= 0, f"[router] init_std = {router.init_std}: must be >= 0")
-    _need(router.route_scale > 0, f"[router] route_scale = {router.route_scale}: must be > 0")
-    _need(router.bias_update_rate >= 0, f"[router] bias_update_rate = {router.bias_update_rate}: must be >= 0 (0: off)")
+    layer = moe_args(cfg, flavors[cfg.model.flavor].moe)
+    num_experts, top_k, router, par = layer.num_experts, layer.top_k, cfg.router, cfg.parallelism
+    _refuse(moe_problem(layer, config_key))
     _need(cfg.metrics.peak_tflops >= 0, f"[metrics] peak_tflops = {cfg.metrics.peak_tflops}: must be >= 0 (0: from the GPU)")
-    check_router_losses(router)
-    check_groups(router, num_experts, top_k)
     _need(cfg.checks.monitor_freq >= 0, f"[checks] monitor_freq = {cfg.checks.monitor_freq}: must be >= 0 (0: off)")
+    hang = cfg.checks.hang_timeout
+    _need(hang == -1 or hang >= 0, f"[checks] hang_timeout = {hang}: must be seconds > 0, 0 (off) or -1 (from [comm]'s timeouts)")
 
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree"):
         degree = getattr(par, key)
@@ -311,10 +322,16 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
         check_dispatch(cfg, ep)
 
     train = cfg.training
-    _need(train.dataset in ("synthetic", "text"), f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text'")
-    if train.dataset == "text":
+    _need(train.dataset in ("synthetic", "text", "shards"),
+          f"[training] dataset = {train.dataset!r}: expected 'synthetic' or 'text', or 'shards' (token shards)")
+    if train.dataset == "text" or (train.dataset == "shards" and not cfg.data.sources):
         path = train.dataset_path
-        _need(bool(path) and os.path.exists(path), f"[training] dataset_path = {path!r}: no such file or folder (needed by dataset = 'text')")
+        _need(bool(path) and os.path.exists(path),
+              f"[training] dataset_path = {path!r}: no such file or folder (needed by dataset = {train.dataset!r})")
+    elif train.dataset == "synthetic":
+        _need(not train.dataset_path, f"[training] dataset_path = {train.dataset_path!r} is not read: dataset = "
+              "'synthetic' makes its own tokens; set dataset = 'text' to train on the files, or unset dataset_path")
+    check_data_sources(cfg.data, train.dataset)
     tokenizer = cfg.data.tokenizer
     _need(
         tokenizer == "bytes" or os.path.isfile(tokenizer),
@@ -389,70 +406,74 @@ def check_data_parallel(replicate: int, shard: int, ep: int, world_size: int) ->
     )
 
 
+def check_data_sources(data: Any, dataset: str) -> None:
+    """[data] sources, shuffle_seed and attention (the shards themselves: components/data/packed.py)."""
+    _need(not data.sources or dataset == "shards",
+          f"[data] sources are read by [training] dataset = 'shards' (this run's is {dataset!r})")
+    for i, source in enumerate(data.sources):
+        _need(set(source) <= {"path", "weight"} and isinstance(source.get("path"), str),
+              f"[data] sources[{i}] = {source!r}: expected {{path = \"FOLDER\", weight = W}} (weight: default 1)")
+        weight = source.get("weight", 1.0)
+        _need(isinstance(weight, (int, float)) and not isinstance(weight, bool) and weight > 0,
+              f"[data] sources[{i}] weight = {weight!r} (path {source['path']!r}): must be a number > 0")
+        _need(os.path.exists(source["path"]), f"[data] sources[{i}] path = {source['path']!r}: no such file or folder")
+    _need(data.attention == "causal" or dataset == "shards",
+          f"[data] attention = {data.attention!r} needs documents: [training] dataset = 'shards' (this run's is "
+          f"{dataset!r}; make shards with `python -m torchtitan_moe.components.data.prepare`)")
+
+
+# The run's facts as a dispatcher's problem names them here (dispatch/registry.py: Run, Entry.problem).
+DISPATCH_KEYS = {"ep": "[parallelism] expert_parallel_degree", "overlap": "[dispatch] overlap",
+                 "buffers": "[dispatch] buffers", "param_dtype": "[training] mixed_precision_param"}
+
+
+def dispatch_run(cfg: Any, ep: int, **facts: Any) -> registry.Run:
+    """The config's run as the dispatchers' rules read it (`facts`: what only the caller knows, e.g.
+    procs_per_node, gpus, shapes)."""
+    return registry.Run(ep=ep, overlap=cfg.dispatch.overlap, buffers=cfg.dispatch.buffers,
+                        param_dtype=cfg.training.mixed_precision_param, **facts)
+
+
+def dispatch_instead(name: str, run: registry.Run) -> str:
+    """"; use ..." with what to set instead of [dispatch] backend = name: the other dispatchers that take
+    `run`, and 'auto' (which picks among them); "" where none does (the problem says what to change)."""
+    others = [repr(e.name) for e in registry.usable(run) if e.name != name]
+    if not others:
+        return ""
+    others.append("'auto'")
+    return f"; use {', '.join(others[:-1])} or {others[-1]}"
+
+
+def dispatch_refusal(name: str, run: registry.Run) -> str | None:
+    """[dispatch] backend = name against `run`, in one line naming the keys; None where it takes the run."""
+    problem = registry.get(name).problem(run, DISPATCH_KEYS)
+    if problem is None:
+        return None
+    return f"[dispatch] backend = {name!r} {problem}{dispatch_instead(name, run)}"
+
+
+def dispatch_unavailable(name: str, run: registry.Run, why: Any) -> str:
+    """[dispatch] backend = name cannot run on this machine (`why`: the dispatcher's one line)."""
+    return f"[dispatch] backend = {name!r}: {why}{dispatch_instead(name, run)}"
+
+
 def check_dispatch(cfg: Any, ep: int) -> None:
-    """[dispatch] against the EP degree and the precision."""
+    """[dispatch] against the EP degree and the precision (each dispatcher's rules: dispatch/registry.py)."""
     backend = cfg.dispatch.backend
-    _need(
-        not (backend == "local" and ep > 1),
-        f"[dispatch] backend = 'local' needs expert_parallel_degree = 1 (got {ep}); use 'all_to_all'",
-    )
-    _need(
-        not (backend == "all_to_all" and ep == 1),
-        f"[dispatch] backend = {backend!r} needs [parallelism] expert_parallel_degree > 1; use 'local' or 'auto'",
-    )
-    if backend == "deepep":
-        _need(ep in (2, 4, 8), f"[dispatch] backend = 'deepep' needs [parallelism] expert_parallel_degree 2, 4 or 8 "
-                               f"(DeepEP's intranode kernels), got {ep}")
-        precision = cfg.training.mixed_precision_param
-        _need(precision == "bfloat16", f"[dispatch] backend = 'deepep' needs [training] mixed_precision_param = "
-                                       f"'bfloat16' (DeepEP combines bf16 rows), got {precision!r}")
-    if backend == "all_gather":
-        _need(ep == 2, f"[dispatch] backend = 'all_gather' sends every token to every EP rank: it takes "
-                       f"[parallelism] expert_parallel_degree = 2, got {ep}; use 'deepep' or 'all_to_all'")
-        _need(cfg.dispatch.overlap == "none", f"[dispatch] backend = 'all_gather' has no chunked overlap (its "
-                                              f"exchanges finish where they start): set overlap = 'none', got "
-                                              f"{cfg.dispatch.overlap!r}")
+    if backend != "auto":
+        refusal = dispatch_refusal(backend, dispatch_run(cfg, ep))
+        _need(refusal is None, refusal)
     _need(cfg.dispatch.overlap == "none" or ep > 1,
           f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
           f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")
     num_sms = cfg.dispatch.num_sms
     _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
           f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")
-    _need(num_sms == 0 or backend in ("deepep", "auto"),
-          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = 'deepep' or 'auto'")
+    tuned = [e.name for e in registry.DISPATCHERS.values() if e.tuned] + ["auto"]
+    _need(num_sms == 0 or backend in tuned,
+          f"[dispatch] num_sms = {num_sms} sets DeepEP's SMs: it needs backend = {' or '.join(map(repr, tuned))}")
 
 
-def check_router_losses(router: Any) -> None:
-    loss, coeff = router.balance_loss, router.balance_loss_coeff
-    _need(coeff >= 0, f"[router] balance_loss_coeff = {coeff}: must be >= 0")
-    _need(
-        not (loss != "none" and coeff == 0),
-        f"[router] balance_loss = {loss!r} needs balance_loss_coeff > 0 (e.g. 1e-3); 'none' turns it off",
-    )
-    _need(
-        not (loss == "none" and coeff > 0),
-        f"[router] balance_loss_coeff = {coeff} has no loss to weigh: set balance_loss (e.g. 'global_batch') or 0",
-    )
-    _need(router.z_loss_coeff >= 0, f"[router] z_loss_coeff = {router.z_loss_coeff}: must be >= 0 (0: off)")
-
-
-def check_groups(router: Any, num_experts: int, top_k: int) -> None:
-    groups, topk_groups = router.n_groups, router.topk_groups
-    _need(groups >= 1, f"[router] n_groups = {groups}: must be >= 1 (1: no groups)")
-    _need(num_experts % groups == 0, f"[router] n_groups = {groups}: must divide [moe] num_experts ({num_experts})")
-    _need(1 <= topk_groups <= groups, f"[router] topk_groups = {topk_groups}: must be in 1..n_groups ({groups})")
-    if groups == 1:
-        return
-    per_group = num_experts // groups
-    _need(
-        top_k <= topk_groups * per_group,
-        f"[moe] top_k = {top_k}: more than topk_groups x experts per group ({topk_groups} x {per_group})",
-    )
-    _need(
-        topk_groups <= top_k,
-        f"[router] topk_groups = {topk_groups}: more than top_k ({top_k}) groups cannot all be used",
-    )
-    _need(
-        not router.force_balance,
-        "[router] force_balance sends tokens round-robin over all experts: it needs n_groups = 1",
-    )
+def config_key(key: str) -> str:
+    """A key of the MoE layer's settings (moe/options.py) in the config's words: '[router] n_groups', '[moe] top_k'."""
+    return f"[router] {key}" if key in {f.name for f in fields(RouterOptions)} else f"[moe] {key}"

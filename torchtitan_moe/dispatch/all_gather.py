@@ -20,7 +20,7 @@ probabilities' gradients, and the reduce-scatter's the all-gather of the output'
 Every rank must have the same T (training's local batch x seq_len). The expert-major rows are laid out
 for P T min(K, E/P) slots, as DeepEP's and all_to_all's worst-case buffers do. At EP = P > 2 every
 token would still go to every rank, where DeepEP sends it only to the ranks that hold its experts:
-this dispatcher takes EP = 2 only.
+this dispatcher takes EP = 2 only (dispatch/registry.py, which builds it).
 
 On CPU (gloo) the same two calls run on torch.distributed's all_gather (CollectiveTransport).
 Under activation checkpointing the recompute replays the kept results (copies: the all-gather's
@@ -33,61 +33,17 @@ import torch
 import torch.distributed as dist
 
 from torchtitan_moe import ops
+from torchtitan_moe.dispatch.backward import with_backward
 from torchtitan_moe.dispatch.peer_memory import CollectiveTransport, PeerMemoryTransport
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
-from torchtitan_moe.dispatch.seam import ExpertBatch, Routing, expert_major
-
-EP_SIZES = (2,)
+from torchtitan_moe.dispatch.seam import Done, ExpertBatch, Routing, expert_major
 
 
 def build_transport(group: dist.ProcessGroup, device: torch.device):
     """Copy engines on CUDA, torch.distributed's all_gather on CPU."""
-    if dist.get_world_size(group) not in EP_SIZES:
-        raise ValueError(f"[dispatch] backend = 'all_gather' takes EP = 2 (every token goes to every rank), got an "
-                         f"EP group of {dist.get_world_size(group)}; use 'deepep' or 'all_to_all'")
     if device.type != "cuda":
         return CollectiveTransport(group)
     return PeerMemoryTransport(group)  # raises PeerMemoryUnavailable
-
-
-class _AllGather(torch.autograd.Function):
-    """(x [T, D], probs [T, K]) -> every rank's (x [P T, D], probs [P T, K]), gathered outside (or
-    replayed) and passed in `results`; backward: the reduce-scatter of their gradients. By this
-    backward the layer's recompute (if any) is over: what it left of the kept results is dropped (a
-    recompute stops once it has the tensors backward needs, before the combine's exchange)."""
-
-    @staticmethod
-    def forward(ctx, x, probs, transport, results, kept):
-        ctx.transport, ctx.kept = transport, kept
-        ctx.shapes = [(r.shape, r.dtype, r.device) for r in results]
-        ctx.set_materialize_grads(False)
-        return results[0], results[1]
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_probs):
-        ctx.kept.clear()
-        # A collective: every rank sends both, zeros for a gradient it does not have.
-        grads = [torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                 for g, (shape, dtype, device) in zip((grad_x, grad_probs), ctx.shapes)]
-        dx, dprobs = ctx.transport.reduce_scatter(grads)
-        return dx, dprobs, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """y [N, D] -> this rank's tokens summed over ranks [T, D] (ops.combine, then the reduce-scatter),
-    computed outside (or replayed); backward: the all-gather of the gradient, then combine's backward
-    (a gather of its rows, ops.gather_rows), queued before the transport's next call reuses the inbox."""
-
-    @staticmethod
-    def forward(ctx, y, dispatcher, index, results):
-        ctx.dispatcher, ctx.index = dispatcher, index
-        return results[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        d = ctx.dispatcher
-        (gathered,) = d.transport.all_gather([grad])
-        return ops.gather_rows(gathered, ctx.index, backend=d.kernels), None, None, None
 
 
 class AllGatherDispatcher(ReplaysExchanges):
@@ -98,8 +54,6 @@ class AllGatherDispatcher(ReplaysExchanges):
         super().__init__()
         self.transport = transport
         self.ep_size, self.rank = transport.size, transport.rank
-        if self.ep_size not in EP_SIZES:
-            raise ValueError(f"all_gather dispatcher: EP = {self.ep_size}; it takes EP = 2")
         if num_experts % self.ep_size:
             raise ValueError(f"num_experts = {num_experts} is not divisible by the EP degree {self.ep_size}")
         self.num_experts = num_experts
@@ -115,10 +69,10 @@ class AllGatherDispatcher(ReplaysExchanges):
         batch 4) run beside the router's kernels instead of after them. A recompute replays instead."""
         self._sent = None if self._replaying() else (x, self._start_gather(x))
 
-    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _Done:
+    def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> Done[ExpertBatch]:
         if chunk:
-            raise ValueError("all_gather dispatcher: [dispatch] overlap = 'chunks' is not supported (its exchanges "
-                             "finish where they start); use overlap = 'none'")
+            raise ValueError("all_gather dispatcher: one dispatch per forward (its exchanges finish where they "
+                             "start: no chunked overlap)")
         gathered_x, experts, probs = self._gather(x, routing)
         # This rank's slots: local expert ids, -1 and probability 0 for the other rank's.
         local = experts - self.rank * self.local_experts
@@ -130,10 +84,10 @@ class AllGatherDispatcher(ReplaysExchanges):
         batch, index = expert_major(gathered_x, local, probs, self.local_experts, self.align, self.kernels,
                                     num_slots=num_slots)
         batch.ctx = index
-        return _Done(batch)
+        return Done(batch)
 
-    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> _Done:
-        return _Done(self._combine(y, batch.ctx))
+    def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Done[torch.Tensor]:
+        return Done(self._combine(y, batch.ctx))
 
     # -- the exchanges: outside torch.compile (the transport queues copies and stream waits) ----
 
@@ -153,7 +107,16 @@ class AllGatherDispatcher(ReplaysExchanges):
                 (gathered_x,), (experts, probs) = sent[1].wait(), routed.wait()
             if self.keep_exchanges and torch.is_grad_enabled():  # the inbox is reused: keep copies
                 self._keep((gathered_x.clone(), experts.clone(), probs.clone()))
-        gathered_x, probs = _AllGather.apply(x, routing.probs, self.transport, [gathered_x, probs], self._kept)
+        transport, kept = self.transport, self._kept
+
+        def back(grads, needs):
+            # The all-gather's adjoint: the reduce-scatter of the rows' and probabilities' gradients. By this
+            # backward the layer's recompute (if any) is over: what it left of the kept results is dropped (a
+            # recompute stops once it has the tensors backward needs, before the combine's exchange).
+            kept.clear()
+            return transport.reduce_scatter(grads)
+
+        gathered_x, probs = with_backward([gathered_x, probs], (x, routing.probs), back)
         return gathered_x, experts, probs
 
     def _start_gather(self, x: torch.Tensor):
@@ -169,8 +132,8 @@ class AllGatherDispatcher(ReplaysExchanges):
         dist.all_gather_object(everyone, tokens, group=self.transport.group)
         if len(set(everyone)) > 1:
             raise ValueError(f"all_gather dispatcher: the EP ranks have {everyone} tokens in this layer; every rank "
-                             "must have as many (local_batch_size x seq_len); use [dispatch] backend = 'all_to_all' "
-                             "or 'deepep' for uneven batches")
+                             "must have as many (local batch x sequence length); the all_to_all and deepep "
+                             "dispatchers take uneven batches")
         self.checked_tokens = tokens
 
     @torch.compiler.disable
@@ -181,7 +144,15 @@ class AllGatherDispatcher(ReplaysExchanges):
             with torch.no_grad():
                 out = self._sum_over_ranks(y.detach(), index)
             self._keep(out)
-        return _Combine.apply(y, self, index, [out])
+
+        def back(grads, needs):
+            # The reduce-scatter's adjoint: the all-gather of the gradient, then combine's backward (a gather of
+            # its rows), queued before the transport's next call reuses the inbox.
+            (gathered,) = self.transport.all_gather(grads)
+            return [ops.gather_rows(gathered, index, backend=self.kernels)]
+
+        (out,) = with_backward([out], (y,), back)
+        return out
 
     def _sum_over_ranks(self, y: torch.Tensor, index: ops.RoutingIndex) -> torch.Tensor:
         """This rank's experts' outputs summed per token (ops.combine), the other ranks' tokens first: their
@@ -193,16 +164,3 @@ class AllGatherDispatcher(ReplaysExchanges):
 
         pending = self.transport.start_reduce_scatter({q: [per_token(q)] for q in range(self.ep_size) if q != self.rank})
         return pending.finish([per_token(self.rank)])[0]
-
-
-class _Done:
-    """A finished exchange, for the seam's start/wait calls."""
-
-    def __init__(self, result):
-        self.result = result
-
-    def send(self) -> None:
-        pass
-
-    def wait(self):
-        return self.result

@@ -69,8 +69,7 @@ class _Rows(NamedTuple):
 class _Counts:
     """Split sizes on their way to the host: a copy started on the stream, waited for later, so
     the CPU queues independent work before it blocks (the GPU then has work while the CPU waits
-    and catches up; on a one-rank group the gain was within run-to-run noise, see
-    worklogs/2026-11-23-one-gpu-step.md). Built from kept sizes under an activation-checkpointing replay."""
+    and catches up; on a one-rank group the gain was within run-to-run noise). Built from kept sizes under an activation-checkpointing replay."""
 
     def __init__(self, sizes, ep_size: int = 0):
         self.ep_size = ep_size
@@ -221,8 +220,9 @@ def _comm_stream(device: torch.device) -> torch.cuda.Stream:
     return _COMM_STREAMS[device]
 
 
-def _arrived(outs: list[torch.Tensor], done) -> list[torch.Tensor]:
-    """Make an exchange's results usable on the current stream (`done`: its end, or None)."""
+def _wait_for_comm_stream(outs: list[torch.Tensor], done) -> list[torch.Tensor]:
+    """Make an exchange's results usable on the current stream (`done`: its end on the communication
+    stream, or None: it ran on this one)."""
     if done is not None:
         stream = torch.cuda.current_stream(outs[0].device)
         stream.wait_event(done)
@@ -259,7 +259,7 @@ class _PendingDispatch:
         d, top_k = self.dispatcher, self.top_k
         self.send()
         s = self.started
-        recv, recv_meta = _arrived(s.outs, s.done)  # [R, D], [R, 2K]
+        recv, recv_meta = _wait_for_comm_stream(s.outs, s.done)  # [R, D], [R, 2K]
         local_ids, local_probs = recv_meta[:, :top_k].long(), recv_meta[:, top_k:]
         batch, local_index = expert_major(recv, local_ids, local_probs, d.local_experts, d.align, d.kernels,
                                           num_slots=s.num_slots)
@@ -295,5 +295,5 @@ class _PendingCombine:
         pass  # under way since start_combine
 
     def wait(self) -> torch.Tensor:
-        (back,) = _arrived([self.back], self.done)
+        (back,) = _wait_for_comm_stream([self.back], self.done)
         return ops.combine(back, self.send_index, backend=self.kernels)  # [T, D]: sum over ranks

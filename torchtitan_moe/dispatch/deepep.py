@@ -32,52 +32,10 @@ from typing import Any, NamedTuple
 import torch
 
 from torchtitan_moe import ops
+from torchtitan_moe.dispatch.backward import with_backward
 from torchtitan_moe.dispatch.deepep_backend import MAX_LOCAL_EXPERTS, MAX_TOP_K, DeepEPBackend, Dispatched, Handle
 from torchtitan_moe.dispatch.replay import ReplaysExchanges
 from torchtitan_moe.dispatch.seam import BUFFERS, ExpertBatch, Routing, expert_major
-
-
-class _Dispatch(torch.autograd.Function):
-    """Attach a dispatch's results to autograd; backward is DeepEP combine, its adjoint.
-
-    The results come in a list, computed outside (or replayed): autograd must not take them
-    for inputs returned unchanged. A slot's probability exists on one rank only (0 and id -1
-    on the others), so the combined probability gradients are that rank's. By this backward
-    the layer's recompute (if any) is over: what it left of the kept results is dropped
-    (a recompute stops once it has the tensors backward needs, before the combine's exchange)."""
-
-    @staticmethod
-    def forward(ctx, x, probs, backend: DeepEPBackend, handle: Handle, results, kept):
-        ctx.backend, ctx.handle, ctx.kept = backend, handle, kept
-        ctx.recv_x, ctx.recv_probs = (results[0].shape, results[0].dtype), results[1].shape
-        ctx.set_materialize_grads(False)
-        return results[0], results[1]
-
-    @staticmethod
-    def backward(ctx, grad_x, grad_probs):
-        ctx.kept.clear()
-        device = ctx.handle.raw[0].device
-        if grad_x is None:
-            grad_x = torch.zeros(ctx.recv_x[0], dtype=ctx.recv_x[1], device=device)
-        # A collective: every rank sends probability gradients, or none does (DeepEP lays out
-        # its buffers by top-k), whichever of its rows got gradients.
-        if ctx.needs_input_grad[1] and grad_probs is None:
-            grad_probs = torch.zeros(ctx.recv_probs, dtype=torch.float32, device=device)
-        dx, dprobs = ctx.backend.combine(grad_x, ctx.handle, grad_probs if ctx.needs_input_grad[1] else None)
-        return dx, dprobs, None, None, None, None
-
-
-class _Combine(torch.autograd.Function):
-    """Attach a combine's result to autograd; backward is a DeepEP dispatch with the cached handle."""
-
-    @staticmethod
-    def forward(ctx, x, backend: DeepEPBackend, handle: Handle, results):
-        ctx.backend, ctx.handle = backend, handle
-        return results[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return ctx.backend.dispatch_again(grad, ctx.handle), None, None, None
 
 
 class _Plan(NamedTuple):
@@ -112,7 +70,7 @@ class DeepEPDispatcher(ReplaysExchanges):
     def start_dispatch(self, x: torch.Tensor, routing: Routing, chunk: int = 0) -> _PendingDispatch:
         if x.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: tokens must be bfloat16 (DeepEP combines bf16 rows), got {x.dtype}; "
-                             "train with [training] mixed_precision_param = 'bfloat16'")
+                             "train in bf16 (FSDP2 mixed precision)")
         if routing.experts.shape[1] > MAX_TOP_K:
             raise ValueError(f"DeepEP dispatcher: top_k = {routing.experts.shape[1]}; DeepEP takes at most {MAX_TOP_K}")
         recv_x, recv_probs, d = self._exchange(x, routing, chunk)
@@ -123,7 +81,7 @@ class DeepEPDispatcher(ReplaysExchanges):
         per_row = ops.combine(y, plan.local_index, backend=self.kernels)  # [R, D]: this rank's experts summed
         if per_row.dtype != torch.bfloat16:
             raise ValueError(f"DeepEP dispatcher: expert outputs must be bfloat16 (DeepEP combines bf16 rows), got "
-                             f"{per_row.dtype}; train with [training] mixed_precision_param = 'bfloat16'")
+                             f"{per_row.dtype}; train in bf16 (FSDP2 mixed precision)")
         return _PendingCombine(*self._exchange_back(per_row, plan.handle))
 
     # -- the exchanges: outside torch.compile (DeepEP is opaque to it and syncs with the host) ----
@@ -140,8 +98,19 @@ class DeepEPDispatcher(ReplaysExchanges):
                 d = self.backend.dispatch(x.detach(), routing.experts, routing.probs.detach(), self.num_experts,
                                           num_worst_tokens=worst)
             self._keep(d)
-        recv_x, recv_probs = _Dispatch.apply(x, routing.probs, self.backend, d.handle,
-                                             [d.x.detach(), d.probs.detach()], self._kept)
+        backend, handle, kept = self.backend, d.handle, self._kept  # not d: its rows would live until backward
+
+        def back(grads, needs):
+            # Dispatch's adjoint: a DeepEP combine of the rows' and the probabilities' gradients. A slot's
+            # probability exists on one rank only (0 and id -1 on the others), so the combined probability
+            # gradients are that rank's. A collective: every rank sends probability gradients, or none does
+            # (DeepEP lays out its buffers by top-k), whichever of its rows got gradients. By this backward the
+            # layer's recompute (if any) is over: what it left of the kept results is dropped (a recompute
+            # stops once it has the tensors backward needs, before the combine's exchange).
+            kept.clear()
+            return backend.combine(grads[0], handle, grads[1] if needs[1] else None)
+
+        recv_x, recv_probs = with_backward([d.x.detach(), d.probs.detach()], (x, routing.probs), back)
         return recv_x, recv_probs, d
 
     @torch.compiler.disable
@@ -153,7 +122,9 @@ class DeepEPDispatcher(ReplaysExchanges):
             with torch.no_grad():
                 out, done = self.backend.start_combine(per_row.detach(), handle)
             self._keep(out)
-        return _Combine.apply(per_row, self.backend, handle, [out.detach()]), done
+        backend = self.backend  # combine's adjoint: a DeepEP dispatch with the cached handle
+        (out,) = with_backward([out.detach()], (per_row,), lambda grads, needs: [backend.dispatch_again(grads[0], handle)])
+        return out, done
 
 
 class _PendingDispatch:
@@ -168,7 +139,7 @@ class _PendingDispatch:
 
     def wait(self) -> ExpertBatch:
         p, d = self.dispatcher, self.d
-        _arrived(d.done)
+        _wait_for_deepep(d.done)
         if p.buffers == "worst_case":  # every received row may carry min(K, E_local) slots of this rank
             num_slots = self.recv_x.shape[0] * min(d.experts.shape[1], p.local_experts)
         else:
@@ -189,12 +160,12 @@ class _PendingCombine:
         pass
 
     def wait(self) -> torch.Tensor:
-        _arrived(self.done)
+        _wait_for_deepep(self.done)
         return self.out
 
 
 @torch.compiler.disable
-def _arrived(done) -> None:
+def _wait_for_deepep(done) -> None:
     """The current stream waits for DeepEP's kernels (done: their event; None: a replay, nothing to wait for)."""
     if done is not None:
         done.current_stream_wait()

@@ -37,10 +37,12 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.dispatch.seam import Unavailable
+
 # The last commit of DeepEP's v1 `Buffer` API on main (the next one, b306af0, introduces EPv2).
 DEEPEP_COMMIT = "567632dd59810d77b3cc05553df953cc0f779799"
 DEEPEP_REPO = "https://github.com/deepseek-ai/DeepEP"
-INSTALL_HINT = f"build it with `bash scripts/install_deepep.sh` (DeepEP {DEEPEP_COMMIT[:7]}, see README)"
+INSTALL_HINT = f"build it with `bash scripts/install_deepep.sh` (DeepEP {DEEPEP_COMMIT[:7]}, see docs/dispatchers.md)"
 
 EP_SIZES = (2, 4, 8)  # DeepEP's intranode kernels are compiled for these rank counts
 DEFAULT_NUM_SMS = 24
@@ -54,7 +56,7 @@ _RDMA_CHUNK, _RDMA_BUFFER = 6, 128
 MAX_TOP_K, MAX_LOCAL_EXPERTS, MAX_ROW_BYTES = 32, 128, 16368
 
 
-class DeepEPUnavailable(RuntimeError):
+class DeepEPUnavailable(Unavailable):
     """DeepEP cannot run here; the message is one line saying why and what to do."""
 
 
@@ -143,12 +145,11 @@ def shape_problem(hidden: int, top_k: int, local_experts: int) -> str | None:
 
 
 def check_group(group: dist.ProcessGroup) -> None:
-    """The EP group must be 2, 4 or 8 ranks on one node whose GPUs reach each other (NVLink/P2P).
+    """The EP group's ranks must share one node whose GPUs reach each other (NVLink/P2P); its size
+    (EP_SIZES) is the registry's rule (dispatch/registry.py), asked before this.
 
     Collective over `group`: every rank gathers every rank's host and GPU, so all raise alike."""
     size = dist.get_world_size(group)
-    if size not in EP_SIZES:
-        raise DeepEPUnavailable(f"EP group of {size} ranks: DeepEP's intranode kernels take 2, 4 or 8")
     cuda = torch.cuda.is_available()
     mine = (socket.gethostname(), torch.cuda.current_device() if cuda else -1)
     everyone: list = [None] * size
@@ -158,13 +159,13 @@ def check_group(group: dist.ProcessGroup) -> None:
         raise DeepEPUnavailable(
             f"the EP group spans nodes {', '.join(hosts)} (LOCAL_WORLD_SIZE = {os.environ.get('LOCAL_WORLD_SIZE', '?')}, "
             f"EP = {size}): DeepEP's intranode kernels need every EP rank on one node; use an EP degree that divides "
-            f"the GPUs per node, or [dispatch] backend = 'all_to_all'")
+            f"the GPUs per node, or the all_to_all dispatcher")
     if cuda:
         for _, peer in everyone:
             if peer != mine[1] and not torch.cuda.can_device_access_peer(mine[1], peer):
                 raise DeepEPUnavailable(
                     f"GPU {mine[1]} cannot access GPU {peer} (no P2P/NVLink between them): DeepEP needs peer access "
-                    f"between all GPUs of an EP group; use [dispatch] backend = 'all_to_all'")
+                    f"between all GPUs of an EP group; use the all_to_all dispatcher")
 
 
 # ---------------------------------------------------------------------------------------

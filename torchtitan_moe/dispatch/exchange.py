@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.dispatch.backward import with_backward
+
 
 def _received(xs: list[torch.Tensor], recv_splits: list[int]) -> list[torch.Tensor]:
     rows = sum(recv_splits)
@@ -60,23 +62,6 @@ def _backward(ctx, grads):
 _exchange.register_autograd(_backward, setup_context=_setup_exchange)
 
 
-class _Replay(torch.autograd.Function):
-    """Forward: the kept results (no communication). Backward: the reverse exchange.
-
-    The kept tensors travel in a list so that autograd does not take them for inputs.
-    """
-
-    @staticmethod
-    def forward(ctx, kept, send_splits, recv_splits, group_name, *xs):
-        ctx.send_splits, ctx.recv_splits, ctx.group_name = send_splits, recv_splits, group_name
-        return tuple(kept)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        back = _exchange(list(grads), ctx.recv_splits, ctx.send_splits, ctx.group_name)
-        return (None, None, None, None, *back)
-
-
 def exchange(
     xs: list[torch.Tensor], send_splits: list[int], recv_splits: list[int], group: dist.ProcessGroup
 ) -> list[torch.Tensor]:
@@ -88,5 +73,7 @@ def replay(
     xs: list[torch.Tensor], kept: list[torch.Tensor], send_splits: list[int], recv_splits: list[int],
     group: dist.ProcessGroup,
 ) -> list[torch.Tensor]:
-    """`kept` (an earlier `exchange(xs, ...)` result) with the gradient path of a new exchange."""
-    return list(_Replay.apply(kept, send_splits, recv_splits, group.group_name, *xs))
+    """`kept` (an earlier `exchange(xs, ...)` result) with the gradient path of a new exchange: the
+    forward communicates nothing, the backward is the reverse exchange."""
+    name = group.group_name
+    return list(with_backward(kept, xs, lambda grads, needs: _exchange(grads, recv_splits, send_splits, name)))

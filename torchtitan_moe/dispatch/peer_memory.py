@@ -4,7 +4,7 @@ The all-gather dispatcher (dispatch/all_gather.py) moves whole tensors of a fixe
 no counts, no layout and no kernel of its own: each rank pushes its part into the other ranks'
 inboxes (symmetric memory, mapped into every rank's address space) with plain device copies, which
 the GPU runs on its copy engines. No SM is held, unlike NCCL's or DeepEP's kernels, whose CTAs
-delay a persistent grouped GEMM beside them (worklogs/2026-11-26-session5-h200x2.md). The
+delay a persistent grouped GEMM beside them. The
 handshake is on stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32): the
 GPU's front end waits for a flag, no kernel spins.
 
@@ -39,12 +39,14 @@ import socket
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.dispatch.seam import Unavailable
+
 SLOTS = 3
 _ALIGN = 256  # bytes: each tensor of a message starts aligned, so views of any dtype are
 _GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
 
 
-class PeerMemoryUnavailable(RuntimeError):
+class PeerMemoryUnavailable(Unavailable):
     """Symmetric memory or peer access is missing; the message says what and what to do instead."""
 
 

@@ -99,8 +99,14 @@ class Dispatcher(Protocol):
     def start_combine(self, y: torch.Tensor, batch: ExpertBatch) -> Pending[torch.Tensor]: ...
 
 
+class Unavailable(RuntimeError):
+    """A dispatcher cannot run on this machine (a library, symmetric memory, peer access missing); the
+    message says why in one line."""
+
+
 class Done(Generic[T]):
-    """The handle of a call that finished when it started (EP = 1, gloo, a recompute's replay)."""
+    """The handle of a call that finished when it started (EP = 1, gloo, the all-gather dispatcher, a
+    recompute's replay): every dispatcher's finished call returns this one."""
 
     def __init__(self, value: T):
         self.value = value

@@ -22,11 +22,13 @@ from-hf writes a model-only DCP checkpoint (with its model_args.json); a run sta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import glob
 import json
 import os
 import re
+import shutil
 import sys
 
 import torch
@@ -34,12 +36,17 @@ import torch.distributed.checkpoint as dcp
 
 from torchtitan_moe.hf.bias_cost import BiasCost, measure_bias_cost, synthetic_held_out, token_file_batches
 from torchtitan_moe.train.checkpoint import (
+    check_checksums,
+    check_data_files,
+    check_safetensors,
     model_shapes,
     read_dcp_metadata,
+    read_json,
     read_model_args,
     shape_mismatch,
     write_model_args,
 )
+from torchtitan_moe.train.checksums import ChecksummedWriter
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.models.qwen3_moe import FLAVORS, flavor_args
 from torchtitan_moe.models.qwen3_moe.args import Qwen3MoEArgs
@@ -128,6 +135,8 @@ def to_hf(checkpoint: str, out: str, args: Qwen3MoEArgs, dtype: torch.dtype = to
     if not os.path.isfile(os.path.join(checkpoint, ".metadata")):
         raise ConvertError(f"{checkpoint}: not a complete DCP checkpoint (no .metadata)")
     metadata = read_dcp_metadata(checkpoint)
+    check_data_files(checkpoint, metadata)
+    check_checksums(checkpoint, warn_if_absent=False)  # its own lines are the export's
     shapes = model_shapes(metadata)
     mismatch = shape_mismatch(shapes, args)
     if mismatch:
@@ -221,8 +230,10 @@ def hf_files(folder: str) -> dict[str, str]:
     """Hugging Face key -> safetensors file, from the index or from the files themselves."""
     index_path = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_path):
-        with open(index_path) as f:
-            return {k: os.path.join(folder, v) for k, v in json.load(f)["weight_map"].items()}
+        weight_map = read_json(index_path, ConvertError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ConvertError(f"{index_path}: no 'weight_map' table")
+        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(folder, "*.safetensors")))
@@ -239,8 +250,7 @@ def read_hf_args(folder: str) -> Qwen3MoEArgs:
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise ConvertError(f"{folder}: no config.json (a Hugging Face model folder has one)")
-    with open(path) as f:
-        return args_from_hf_config(json.load(f), path)
+    return args_from_hf_config(read_json(path, ConvertError), path)
 
 
 def load_hf(folder: str, args: Qwen3MoEArgs, dtype: torch.dtype | None = None,
@@ -270,7 +280,9 @@ def load_hf(folder: str, args: Qwen3MoEArgs, dtype: torch.dtype | None = None,
 
 def from_hf(folder: str, out: str, dtype: torch.dtype | None = None, show_progress: bool = True) -> Qwen3MoEArgs:
     args = read_hf_args(folder)
-    dcp.save(load_hf(folder, args, dtype, show_progress), checkpoint_id=out, no_dist=True)
+    check_safetensors(folder, ConvertError)
+    state_dict = load_hf(folder, args, dtype, show_progress)
+    dcp.save(state_dict, storage_writer=ChecksummedWriter(out), no_dist=True)  # with its checksums.json
     write_model_args(out, args)
     return args
 
@@ -284,8 +296,8 @@ def start_hint(args: Qwen3MoEArgs, out: str) -> str:
     base = FLAVORS[flavor].moe
     extra = "".join(f" --moe.{name} {getattr(args.moe, name)}" for name in ("num_experts", "top_k", "inter_dim")
                     if getattr(args.moe, name) != getattr(base, name))
-    if args.moe.route_norm != base.route_norm:
-        extra += f" --router.route_norm {args.moe.route_norm}"
+    if args.moe.router.route_norm != base.router.route_norm:
+        extra += f" --router.route_norm {args.moe.router.route_norm}"
     return f"start a run from it: --model.flavor {flavor}{extra} --checkpoint.initial_load_path {out}"
 
 
@@ -327,8 +339,16 @@ def resolve_args(checkpoint: str, opts, job_config=None) -> Qwen3MoEArgs:
     return args
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose refusal of an argument is one line (not the usage and the error)."""
+
+    def error(self, message: str):
+        print(f"convert: error: {message} (--help lists the arguments)", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse(argv: list[str] | None):
-    parser = argparse.ArgumentParser(prog="python -m torchtitan_moe.hf.convert", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="python -m torchtitan_moe.hf.convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="direction", required=True)
     out = sub.add_parser("to-hf", help="DCP step folder -> Hugging Face folder")
     out.add_argument("checkpoint", help="a step folder, e.g. outputs/run/checkpoint/step-1000")
@@ -366,6 +386,42 @@ def check_output_folder(out: str, force: bool) -> None:
         raise ConvertError(f"{out} is a file: the output must be a folder")
 
 
+def check_arguments(opts) -> None:
+    """What the arguments must be before anything is read or written."""
+    source = opts.checkpoint if opts.direction == "to-hf" else opts.hf_folder
+    if not os.path.isdir(source):
+        what = "a step folder of a run" if opts.direction == "to-hf" else "a Hugging Face model folder"
+        raise ConvertError(f"{source}: no such folder ({what})")
+    if opts.direction != "to-hf":
+        return
+    if not os.path.isfile(os.path.join(source, ".metadata")):
+        raise ConvertError(f"{source}: not a complete DCP checkpoint (no .metadata)")
+    if not opts.shard_gb > 0:
+        raise ConvertError(f"--shard-gb {opts.shard_gb}: must be > 0 (the largest safetensors file, GiB)")
+    for flag in ("num_experts", "top_k", "inter_dim"):
+        value = getattr(opts, flag)
+        if value is not None and value < 1:
+            raise ConvertError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+
+
+@contextlib.contextmanager
+def writing(out: str):
+    """Write into `out`; on any failure remove what was written (the folder itself if it was made here)."""
+    existed = set(os.listdir(out)) if os.path.isdir(out) else None
+    try:
+        yield
+    except BaseException as e:
+        if existed is None:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            for name in set(os.listdir(out)) - existed:
+                path = os.path.join(out, name)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        if isinstance(e, OSError):
+            raise ConvertError(f"writing {out} failed ({type(e).__name__}: {e}); what was written is removed") from None
+        raise
+
+
 def check_eval_options(opts) -> None:
     if (opts.eval_tokens or opts.eval_batches is not None) and not opts.drop_expert_bias:
         raise ConvertError("--eval-tokens and --eval-batches pick the held-out tokens --drop-expert-bias measures "
@@ -378,20 +434,24 @@ def check_eval_options(opts) -> None:
 def main(argv: list[str] | None = None) -> int:
     opts = parse(argv)
     try:
+        check_arguments(opts)
         check_output_folder(opts.out, opts.force)
         if opts.direction == "to-hf":
             check_eval_options(opts)
             job_config = run_config(opts)
             args = resolve_args(opts.checkpoint, opts, job_config)
-            cost = to_hf(opts.checkpoint, opts.out, args, DTYPES[opts.dtype], opts.drop_expert_bias,
-                         int(opts.shard_gb * 2**30), held_out=lambda: held_out_batches(opts, job_config, args.vocab_size))
+            with writing(opts.out):
+                cost = to_hf(opts.checkpoint, opts.out, args, DTYPES[opts.dtype], opts.drop_expert_bias,
+                             int(opts.shard_gb * 2**30),
+                             held_out=lambda: held_out_batches(opts, job_config, args.vocab_size))
             if cost is not None:
                 print(cost.describe())
             elif opts.drop_expert_bias:
                 print("the expert bias is zero in every layer: the export routes as the trained model does")
             print(f"wrote {opts.out}: transformers.AutoModelForCausalLM.from_pretrained({opts.out!r})")
         else:
-            args = from_hf(opts.hf_folder, opts.out, DTYPES[opts.dtype] if opts.dtype else None)
+            with writing(opts.out):
+                args = from_hf(opts.hf_folder, opts.out, DTYPES[opts.dtype] if opts.dtype else None)
             print(f"wrote {opts.out}; {start_hint(args, opts.out)}")
     except (ConvertError, HFConversionError, ConfigError) as e:
         print(f"convert: error: {e}", file=sys.stderr)

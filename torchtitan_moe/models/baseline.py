@@ -53,6 +53,8 @@ class BaselineArgs(TorchtitanQwen3ModelArgs):
 
     def update_from_config(self, job_config, **kwargs) -> None:
         super().update_from_config(job_config, **kwargs)
+        if job_config.data.attention == "document":  # torchtitan's own document masking: flex, from the EOS tokens
+            self.attn_type, self.attn_mask_type = "flex", "block_causal"
         if job_config.model.init_from == "qwen3_moe":
             self.ours = flavor_args(job_config.model.flavor)
             self.ours.update_from_config(job_config)
@@ -60,15 +62,15 @@ class BaselineArgs(TorchtitanQwen3ModelArgs):
 
 def torchtitan_args(ours: Qwen3MoEArgs) -> BaselineArgs:
     """The torchtitan Qwen3 args with the same shapes as one of our flavors."""
-    moe = ours.moe
+    moe, router = ours.moe, ours.moe.router
     return BaselineArgs(
         dim=ours.dim, n_layers=ours.n_layers, n_heads=ours.n_heads, n_kv_heads=ours.n_kv_heads,
         head_dim=ours.head_dim, vocab_size=ours.vocab_size, norm_eps=ours.norm_eps, rope_theta=ours.rope_theta,
         qk_norm=ours.qk_norm, max_seq_len=ours.max_seq_len, enable_weight_tying=ours.enable_weight_tying,
         moe_enabled=True, moe_inter_dim=moe.inter_dim,
         moe_args=TorchtitanMoEArgs(
-            num_experts=moe.num_experts, num_shared_experts=0, top_k=moe.top_k, score_func=moe.score_func,
-            route_norm=moe.route_norm, route_scale=moe.route_scale, score_before_experts=False,
+            num_experts=moe.num_experts, num_shared_experts=0, top_k=moe.top_k, score_func=router.score_func,
+            route_norm=router.route_norm, route_scale=router.route_scale, score_before_experts=False,
         ),
     )
 

@@ -10,7 +10,8 @@ outputs. torchtitan 0.2.2's Qwen3 keeps such a bias but never updates it; this h
 The same single all-reduce also sums the layers' router losses; the reduced step statistics
 are left in `moe.last_tokens_per_expert` and `moe.last_router_losses` for logging and monitors.
 The hook also starts each step's global-batch counts afresh (moe/router_losses.py), over the
-data-parallel group it hands to the routers.
+data-parallel group it hands to the routers, with one GlobalCounts for all of them: every layer's
+counts in one all-reduce a micro-batch (moe/global_counts.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchtitan_moe.moe.global_counts import GlobalCounts
 from torchtitan_moe.moe.layer import MoE
 
 
@@ -26,12 +28,23 @@ def moe_layers(model_parts: list[nn.Module]) -> list[MoE]:
     return [m for part in model_parts for m in part.modules() if isinstance(m, MoE)]
 
 
+def set_aux_loss_scale(model_parts: list[nn.Module], scale: float) -> None:
+    """Weigh each MoE layer's aux loss, and its logged router losses, by `scale`: 1 / (micro-batches per
+    step x data-parallel ranks) makes the summed gradients those of the mean over the global batch."""
+    for layer in moe_layers(model_parts):
+        layer.aux_loss_scale = scale
+
+
 @torch.no_grad()
 def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> torch.Tensor:
     """All-reduce (one collective) and clear the layers' step statistics -> loads [L, E] fp64.
 
-    Counts travel as float64, exact up to 2^53 tokens, so loads and router losses share it.
+    Counts travel as float64, exact up to 2^53 tokens, so loads and router losses share it. Global-batch
+    counts still waiting for their reduction (a forward no backward followed) are reduced first: their
+    losses' values belong to this step.
     """
+    for counts in {id(c): c for layer in layers if (c := layer.router.balance_counts) is not None}.values():
+        counts.reduce()
     stats = torch.stack(
         [torch.cat([layer.tokens_per_expert.double(), layer.router_loss_sums.double()]) for layer in layers]
     )
@@ -43,7 +56,7 @@ def reduce_step_stats(layers: list[MoE], group: dist.ProcessGroup | None) -> tor
         layer.router.global_counts.zero_()
         layer.last_tokens_per_expert = row[:-2].long()
         # Mean over the step's micro-batches on all ranks: the same weights as the gradient.
-        layer.last_router_losses = row[-2:] * MoE.aux_loss_scale
+        layer.last_router_losses = row[-2:] * layer.aux_loss_scale
     return stats[:, :-2]
 
 
@@ -52,8 +65,9 @@ def update_expert_bias(layers: list[MoE], loads: torch.Tensor) -> None:
     """loads [L, E]. No host sync: a layer that saw no tokens gets sign(0 - 0) = 0, no change."""
     signs = torch.sign(loads.mean(dim=1, keepdim=True) - loads).float()
     for layer, sign in zip(layers, signs):
-        if layer.bias_update_rate:
-            delta = layer.bias_update_rate * sign
+        rate = layer.router.options.bias_update_rate
+        if rate:
+            delta = rate * sign
             layer.router.expert_bias.add_(delta - delta.mean())
 
 
@@ -65,8 +79,10 @@ def register_balancing_hook(optimizers, model_parts: list[nn.Module], group: dis
     layers = moe_layers(model_parts)
     if not layers:
         return
+    counts = GlobalCounts(group)
     for layer in layers:
         layer.router.balance_group = group
+        layer.router.balance_counts = counts
 
     def hook(*args, **kwargs) -> None:
         update_expert_bias(layers, reduce_step_stats(layers, group))

@@ -13,8 +13,8 @@
 The overlap exists only where an exchange runs beside the compute: on CUDA (all_to_all on its
 communication stream, DeepEP on its own); on CPU/gloo every exchange finishes where it is called
 and the schedule is the plain one twice. Opt-in: on 2 H200s at 30B-A3B shapes it loses (0.92x with
-DeepEP, 0.87x all_to_all, worklogs/2026-11-26-ep2-step-h200x2.md; 0.935x with DeepEP after the working
-copies, worklogs/2026-11-26-session5-h200x2.md). Each variant with overlap against the same without:
+DeepEP, 0.87x all_to_all; 0.935x with DeepEP with the experts' working
+copies). Each variant with overlap against the same without:
 
     python -m torchtitan_moe.tools.bench_train configs/qwen3_30b_a3b_8l.toml --models all_to_all,deepep \
         --routers learned --modes eager,compiled --vary dispatch.overlap=none,chunks -- --parallelism.expert_parallel_degree 2
@@ -31,7 +31,7 @@ unshards them per call (it reshards after forward); experts outside FSDP2 read o
 Backward: autograd runs each exchange's backward on the stream its forward ran on (all_to_all:
 the communication stream, the engine making the consumer wait on an event) and runs ready nodes
 latest-created first, so one chunk's reverse exchange is queued while the other chunk's expert
-backward is (see README, [dispatch] overlap). DeepEP's backward calls finish on the current stream:
+backward is (docs/dispatchers.md, overlap). DeepEP's backward calls finish on the current stream:
 no overlap there.
 
 Replay (activation checkpointing): the calls come in one fixed order, each chunk's send() right

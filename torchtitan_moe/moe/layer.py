@@ -18,40 +18,15 @@ update in moe/balance.py reduces and clears it) and `router_loss_sums` the route
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import nn
 
 from torchtitan_moe.moe.chunks import chunked_forward
 from torchtitan_moe.moe.experts import GroupedExperts, autocast_dtype
+from torchtitan_moe.moe.options import MoEArgs, moe_problem
 from torchtitan_moe.moe.padding import resolve_alignment
 from torchtitan_moe.moe.router import Router
-from torchtitan_moe.moe.router_losses import BalanceLoss
 from torchtitan_moe.dispatch.seam import LocalDispatcher, recomputing
-
-
-@dataclass
-class MoEArgs:
-    num_experts: int = 8
-    top_k: int = 2
-    inter_dim: int = 256
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    route_norm: bool = True
-    route_scale: float = 1.0
-    router_init_std: float = 0.02
-    bias_update_rate: float = 1e-3
-    balance_loss: BalanceLoss = "none"
-    balance_loss_coeff: float = 0.0
-    z_loss_coeff: float = 0.0
-    n_groups: int = 1
-    topk_groups: int = 1
-    force_balance: bool = False
-    router_gate_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    padding: Literal["none", "auto", "always"] = "auto"
-    align: int = 8
-    kernels: Literal["auto", "torch", "triton"] = "auto"
 
 
 def resolve_kernels(kernels: str, device: torch.device) -> str:
@@ -83,36 +58,23 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 class MoE(nn.Module):
-    # Weight of each micro-batch's aux loss in the global objective: 1 / (micro-batches per
-    # step x data-parallel ranks), so that the summed gradients are those of the mean.
-    # Set once by the trainer; 1.0 for a single process without gradient accumulation.
-    aux_loss_scale: float = 1.0
     # [dispatch] overlap: "none", or "chunks" (moe/chunks.py). Set by parallelization with the dispatcher.
     overlap: str = "none"
 
     def __init__(self, args: MoEArgs, dim: int):
         super().__init__()
+        problem = moe_problem(args)
+        if problem:
+            raise ValueError(problem)
         self.args = args
         self.num_experts = args.num_experts
-        self.router = Router(
-            dim,
-            args.num_experts,
-            args.top_k,
-            score_func=args.score_func,
-            route_norm=args.route_norm,
-            route_scale=args.route_scale,
-            init_std=args.router_init_std,
-            balance_loss=args.balance_loss,
-            balance_loss_coeff=args.balance_loss_coeff,
-            z_loss_coeff=args.z_loss_coeff,
-            n_groups=args.n_groups,
-            topk_groups=args.topk_groups,
-            force_balance=args.force_balance,
-            gate_dtype=getattr(torch, args.router_gate_dtype),
-        )
+        self.router = Router(dim, args.num_experts, args.top_k, args.router, param_dtype=getattr(torch, args.param_dtype))
         self.experts = GroupedExperts(dim, args.inter_dim, args.num_experts)
         self.dispatcher = None  # built on first use for the device (or set by parallelize)
-        self.bias_update_rate = args.bias_update_rate
+        # Weight of each micro-batch's aux loss in the global objective: 1 / (micro-batches per step x
+        # data-parallel ranks), so that the summed gradients are those of the mean. The trainer sets it
+        # (moe.balance.set_aux_loss_scale); 1.0 for a single process without gradient accumulation.
+        self.aux_loss_scale = 1.0
         # The last optimizer step's statistics over all ranks, set by moe/balance.py.
         self.last_tokens_per_expert: torch.Tensor | None = None  # [E] int64
         self.last_router_losses: torch.Tensor | None = None  # [2] fp64: balance loss, z-loss
@@ -151,13 +113,11 @@ class MoE(nn.Module):
         dtype = autocast_dtype(tokens.device)
         rows = tokens if dtype is None else tokens.to(dtype)
         self.dispatcher.send_tokens(rows)  # all_gather: the rows travel while the router runs
-        routing = self.router(tokens, seq_len=seq_len)
-        if self.training and not recomputing():  # count each real forward once
+        counted = self.training and not recomputing()  # count each real forward once
+        routing = self.router(tokens, seq_len=seq_len, loss_sums=self.router_loss_sums if counted else None)
+        if counted:
             with torch.no_grad():
                 self.tokens_per_expert.add_(routing.tokens_per_expert)
-                for i, loss in enumerate((routing.balance_loss, routing.z_loss)):
-                    if loss is not None:
-                        self.router_loss_sums[i] += loss.detach()
 
         if self.overlap == "chunks":  # two chunks, one's exchange under the other's experts (moe/chunks.py)
             out = chunked_forward(self.dispatcher, self.experts, rows, routing)

@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 PaddingPolicy = Literal["none", "auto", "always"]
+ALIGNMENTS = (8, 16, 32)  # rows an expert's group is padded to a multiple of
 
 
 def needs_padding(device: torch.device) -> bool:
@@ -25,11 +26,8 @@ def needs_padding(device: torch.device) -> bool:
 
 
 def resolve_alignment(policy: PaddingPolicy, align: int, device: torch.device) -> int:
-    """The `align` argument of ops.routing_index: 1 (no padding) or `align` rows."""
-    if policy not in ("none", "auto", "always"):
-        raise ValueError(f"padding = {policy!r}: expected 'none', 'auto' or 'always'")
-    if align not in (8, 16, 32):
-        raise ValueError(f"align = {align}: must be one of 8, 16, 32")
+    """The `align` argument of ops.routing_index: 1 (no padding) or `align` rows (both checked with the
+    layer's other settings, moe/options.py's moe_problem)."""
     if policy == "always" or (policy == "auto" and needs_padding(device)):
         return align
     return 1

@@ -7,15 +7,14 @@
     training: balance loss and z-loss (moe/router_losses.py) ──► aux_loss, their weighted sum
 
 `route` is all of it but the global-batch balance loss, and is what torch.compile compiles
-(parallelize.apply_compile). That loss adds each micro-batch's counts to a running buffer, once per
-real forward: only eager code can tell a checkpointed recompute (seam.recomputing), so `forward`
-adds it around the compiled region.
+(parallelize.apply_compile). That loss leaves each micro-batch's counts for the one all-reduce of every
+layer's (moe/global_counts.py), once per real forward: only eager code can tell a checkpointed recompute
+(seam.recomputing), so `forward` adds it around the compiled region.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -24,97 +23,77 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtitan_moe import ops
+from torchtitan_moe.moe.global_counts import GlobalCounts, Pending, global_balance
+from torchtitan_moe.moe.options import RouterOptions, router_problem
 from torchtitan_moe.moe.router_losses import (
-    BALANCE_LOSSES,
-    BalanceLoss,
-    add_global_counts,
     balance_loss,
+    mean_scores,
     sequence_balance_loss,
     z_loss,
 )
 from torchtitan_moe.compat.collectives import gathered_rows
-from torchtitan_moe.dispatch.seam import Routing
+from torchtitan_moe.dispatch.seam import Routing, recomputing
 
 
 class Router(nn.Module):
     """Linear gate + top-k. Parameters: `gate.weight [E, D]`; buffers: `expert_bias [E]` fp32
     and, for the global-batch balance loss, `global_counts [E]` int64 (the step's counts so far)."""
 
-    def __init__(
-        self,
-        dim: int,
-        num_experts: int,
-        top_k: int,
-        score_func: Literal["softmax", "sigmoid"] = "softmax",
-        route_norm: bool = True,
-        route_scale: float = 1.0,
-        init_std: float = 0.02,
-        balance_loss: BalanceLoss = "none",
-        balance_loss_coeff: float = 0.0,
-        z_loss_coeff: float = 0.0,
-        n_groups: int = 1,
-        topk_groups: int = 1,
-        force_balance: bool = False,
-        gate_dtype: torch.dtype = torch.float32,
-    ):
+    def __init__(self, dim: int, num_experts: int, top_k: int, options: RouterOptions | None = None,
+                 param_dtype: torch.dtype = torch.bfloat16):
+        """`options`: the router's settings, whole (default: RouterOptions()); `param_dtype`: the gate's
+        dtype where options.gate_precision = 'param' (the training's mixed_precision_param)."""
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k = {top_k}: must be in 1..num_experts ({num_experts})")
-        if score_func not in ("softmax", "sigmoid"):
-            raise ValueError(f"score_func = {score_func!r}: expected 'softmax' or 'sigmoid'")
-        if balance_loss not in BALANCE_LOSSES:
-            raise ValueError(f"balance_loss = {balance_loss!r}: expected one of {', '.join(BALANCE_LOSSES)}")
-        if (balance_loss == "none") != (balance_loss_coeff == 0) or balance_loss_coeff < 0:
-            raise ValueError(f"balance_loss_coeff = {balance_loss_coeff}: must be > 0 with balance_loss = "
-                             f"{balance_loss!r}, 0 with 'none'")
-        if z_loss_coeff < 0:
-            raise ValueError(f"z_loss_coeff = {z_loss_coeff}: must be >= 0 (0: off)")
-        check_groups(num_experts, top_k, n_groups, topk_groups)
-        if force_balance and n_groups > 1:
-            raise ValueError("force_balance sends tokens round-robin over all experts: it needs n_groups = 1")
+        options = RouterOptions() if options is None else options
+        problem = router_problem(options, num_experts, top_k)
+        if problem:
+            raise ValueError(problem)
         self.num_experts = num_experts
         self.top_k = top_k
-        self.score_func = score_func
-        self.route_norm = route_norm
-        self.route_scale = route_scale
-        self.init_std = init_std
-        self.balance_loss = balance_loss
-        self.balance_loss_coeff = balance_loss_coeff
-        self.z_loss_coeff = z_loss_coeff
-        self.n_groups = n_groups
-        self.topk_groups = topk_groups
-        self.force_balance = force_balance
-        self.gate_dtype = gate_dtype  # fp32 unless matching torchtitan's bf16 gate ([router] gate_precision)
+        self.options = options
+        # fp32 unless matching torchtitan's gate in the parameters' dtype ([router] gate_precision)
+        self.gate_dtype = torch.float32 if options.gate_precision == "float32" else param_dtype
         # The ops' backend (set with the layer's dispatcher): "triton" computes an fp32 gate of bf16 tokens
         # on the bf16 tensor cores (ops.gate_logits), "torch" as an fp32 GEMM.
         self.kernels = "torch"
         # The data-parallel ranks whose tokens the global-batch loss counts (the trainer's
         # "loss" mesh, set by moe/balance.py); None: this process alone.
         self.balance_group: dist.ProcessGroup | None = None
+        # Where the global-batch loss's counts wait for their all-reduce (shared by the layers of a model:
+        # moe/balance.py), and this router's entry of its last real forward (a recompute reads it again).
+        self.balance_counts: GlobalCounts | None = None
+        self.balance_entry: Pending | None = None
         self.gate = nn.Linear(dim, num_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         self.register_buffer("global_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
     def init_weights(self) -> None:
+        std = self.options.init_std
         with torch.no_grad():
-            if self.init_std == 0:
+            if std == 0:
                 self.gate.weight.zero_()
             else:
-                nn.init.trunc_normal_(
-                    self.gate.weight, std=self.init_std, a=-3 * self.init_std, b=3 * self.init_std
-                )
+                nn.init.trunc_normal_(self.gate.weight, std=std, a=-3 * std, b=3 * std)
             self.expert_bias.zero_()
             self.global_counts.zero_()
 
-    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> Routing:
-        """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss."""
+    def forward(self, x: torch.Tensor, seq_len: int | None = None, loss_sums: torch.Tensor | None = None) -> Routing:
+        """x [T, D] -> Routing. `seq_len` groups tokens into sequences for the sequence loss. `loss_sums` [2] fp32:
+        where this forward's balance loss and z-loss (before their coefficients) are added, each once its value
+        is known (the MoE layer's statistics); None: not counted (a recompute, a probe)."""
         weight = self.gate.weight
         if isinstance(weight, DTensor):  # sharded by rows outside FSDP2 (parallel/router_gate.py): gather it here
             weight = gathered_rows(weight)
         routing = self.route(x, seq_len, weight)
-        if self.balance_loss == "global_batch" and self.training and torch.is_grad_enabled():
-            balance = self.global_balance_loss(routing.scores, routing.tokens_per_expert)
-            weighted = self.balance_loss_coeff * balance
+        if loss_sums is not None:
+            with torch.no_grad():
+                for i, loss in enumerate((routing.balance_loss, routing.z_loss)):
+                    if loss is not None:
+                        loss_sums[i] += loss.detach()
+        if self.options.balance_loss == "global_batch" and self.training and torch.is_grad_enabled():
+            sink = None if loss_sums is None else loss_sums[:1]
+            balance = self.global_balance_loss(routing.scores, routing.tokens_per_expert, sink)
+            weighted = self.options.balance_loss_coeff * balance
             aux_loss = weighted if routing.aux_loss is None else weighted + routing.aux_loss
             routing = dataclasses.replace(routing, aux_loss=aux_loss, balance_loss=balance)
         return routing
@@ -123,71 +102,68 @@ class Router(nn.Module):
         """`forward` without the global-batch balance loss (the region torch.compile compiles). `weight`: the
         whole gate [E, D] where `gate.weight` holds this rank's rows only (forward gathers them)."""
         weight = self.gate.weight if weight is None else weight
+        options = self.options
         with torch.autocast(x.device.type, enabled=False):  # router math stays fp32
             dtype = self.gate_dtype
             if dtype == torch.float32 and x.dtype == torch.bfloat16 and self.kernels == "triton":
                 logits = ops.gate_logits(x, weight.to(torch.float32), backend=self.kernels)
             else:
                 logits = F.linear(x.to(dtype), weight.to(dtype)).float()
-        if self.score_func == "softmax":
+        if options.score_func == "softmax":
             scores = torch.softmax(logits, dim=-1)
         else:
             scores = torch.sigmoid(logits)
 
-        if self.force_balance:
+        if options.force_balance:
             experts = balanced_experts(x.shape[0], self.top_k, self.num_experts, x.device)
         else:
             choice = scores.detach() + self.expert_bias
-            if self.n_groups > 1:
-                experts = group_limited_topk(choice, self.top_k, self.n_groups, self.topk_groups)
+            if options.n_groups > 1:
+                experts = group_limited_topk(choice, self.top_k, options.n_groups, options.topk_groups)
             else:
                 experts = torch.topk(choice, self.top_k, dim=-1).indices
 
         probs = scores.gather(1, experts)
-        if self.route_norm:
+        if options.route_norm:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
-        probs = probs * self.route_scale
+        probs = probs * options.route_scale
 
         tokens_per_expert = count_tokens(experts, self.num_experts)
         balance = zloss = aux_loss = None
         if self.training and torch.is_grad_enabled():  # not in eval, probes or no_grad passes
-            if self.balance_loss in ("sequence", "micro_batch"):
+            if options.balance_loss in ("sequence", "micro_batch"):
                 balance = self.compute_balance_loss(scores, experts, tokens_per_expert, seq_len or x.shape[0])
-                aux_loss = self.balance_loss_coeff * balance
-            if self.z_loss_coeff > 0:
+                aux_loss = options.balance_loss_coeff * balance
+            if options.z_loss_coeff > 0:
                 zloss = z_loss(logits)
-                aux_loss = self.z_loss_coeff * zloss if aux_loss is None else aux_loss + self.z_loss_coeff * zloss
+                weighted = options.z_loss_coeff * zloss
+                aux_loss = weighted if aux_loss is None else aux_loss + weighted
         return Routing(probs, experts, tokens_per_expert, scores, aux_loss, balance, zloss)
 
     def compute_balance_loss(self, scores: torch.Tensor, experts: torch.Tensor, tokens_per_expert: torch.Tensor,
                              seq_len: int) -> torch.Tensor:
         """The sequence or micro-batch balance loss (before its coefficient) of this micro-batch."""
-        if self.balance_loss == "sequence":
+        if self.options.balance_loss == "sequence":
             return sequence_balance_loss(scores, experts, seq_len)
         return balance_loss(scores, tokens_per_expert)
 
-    def global_balance_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    def global_balance_loss(self, scores: torch.Tensor, tokens_per_expert: torch.Tensor,
+                            loss_sums: torch.Tensor | None = None) -> torch.Tensor:
         """The global-batch balance loss (before its coefficient): f from the step's counts so far on every
-        data-parallel rank, this micro-batch's included; P from `scores` [T, E]."""
+        data-parallel rank, this micro-batch's included; P from `scores` [T, E]. Across ranks its value is
+        known once the micro-batch's counts are reduced, and then added to `loss_sums` [1]
+        (moe/global_counts.py). A recompute adds no counts: it reads its forward's."""
         if self.balance_group is None and dist.is_initialized() and dist.get_world_size() > 1:
             raise RuntimeError(
                 "balance_loss = 'global_batch' under torch.distributed needs the data-parallel group: "
                 "set Router.balance_group (moe.balance.register_balancing_hook does)"
             )
-        return balance_loss(scores, add_global_counts(self.global_counts, tokens_per_expert, self.balance_group))
-
-
-def check_groups(num_experts: int, top_k: int, n_groups: int, topk_groups: int) -> None:
-    """Group-limited routing's arguments, each problem in one line."""
-    if n_groups < 1 or num_experts % n_groups:
-        raise ValueError(f"n_groups = {n_groups}: must divide num_experts ({num_experts})")
-    if not 1 <= topk_groups <= n_groups:
-        raise ValueError(f"topk_groups = {topk_groups}: must be in 1..n_groups ({n_groups})")
-    if n_groups > 1 and not topk_groups <= top_k <= topk_groups * (num_experts // n_groups):
-        raise ValueError(
-            f"top_k = {top_k}: group-limited routing needs topk_groups ({topk_groups}) <= top_k <= "
-            f"topk_groups x experts per group ({topk_groups * (num_experts // n_groups)})"
-        )
+        if self.balance_counts is None or self.balance_counts.group is not self.balance_group:
+            self.balance_counts = GlobalCounts(self.balance_group)
+        p = mean_scores(scores)
+        if not recomputing():
+            self.balance_entry = self.balance_counts.add(self.global_counts, tokens_per_expert, p, loss_sums)
+        return global_balance(p, self.balance_counts, self.balance_entry)
 
 
 def group_limited_topk(choice: torch.Tensor, top_k: int, n_groups: int, topk_groups: int) -> torch.Tensor:

@@ -12,15 +12,16 @@ count, `balance_loss`:
 
     sequence      each sequence alone, then the mean over sequences (DeepSeek-V2/V3)
     micro_batch   every token of this rank's micro-batch (Switch, GShard, Megatron's aux_loss)
-    global_batch  f over every data-parallel rank's tokens (one all-reduce of E counts) and over
-                  the micro-batches of the step so far; P over this rank's micro-batch
-                  (Qwen3; Qiu et al. 2025, "Demons in the Detail", arXiv:2501.11873)
+    global_batch  f over every data-parallel rank's tokens and over the micro-batches of the step
+                  so far; P over this rank's micro-batch (Qwen3; Qiu et al. 2025, "Demons in the
+                  Detail", arXiv:2501.11873). The ranks' counts of every layer travel in one
+                  all-reduce a micro-batch (moe/global_counts.py)
 
 Under gradient accumulation the paper keeps the synchronized counts of a step's micro-batches in a
 buffer and computes each micro-batch's loss with what the buffer holds so far; Megatron-LM's
 `global_aux_loss` does the same (running counts, reset every optimizer step). So does
-`add_global_counts`: micro-batch m of a step uses the counts of micro-batches 1..m on every rank; the
-last one sees the whole global batch. With the trainer's weights (each rank's micro-batch loss
+moe/global_counts.py: micro-batch m of a step uses the counts of micro-batches 1..m on every rank;
+the last one sees the whole global batch. With the trainer's weights (each rank's micro-batch loss
 counts 1 / (micro-batches x ranks)) the objective is sum_e f_e * P_e with P over all ranks'
 tokens, so value and gradients do not depend on how a micro-batch is split over ranks.
 
@@ -34,10 +35,6 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-
-from torchtitan_moe.dispatch.seam import recomputing
 
 BalanceLoss = Literal["none", "sequence", "micro_batch", "global_batch"]
 BALANCE_LOSSES = ("none", "sequence", "micro_batch", "global_batch")
@@ -54,11 +51,20 @@ def balance_loss(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     counts: slots per expert of the tokens f counts (these or more); they sum to K x their
     tokens, so f_e = E * counts_e / sum(counts) = E / (K T) * counts_e.
     """
-    num_experts = scores.shape[-1]
+    return (fractions(counts) * mean_scores(scores)).sum()
+
+
+def fractions(counts: torch.Tensor) -> torch.Tensor:
+    """counts [E] (slots per expert, any integer or float dtype) -> f [E] fp32, E * counts / sum(counts);
+    no gradient."""
+    num_experts = counts.shape[-1]
     counts = counts.detach().float()
-    f = counts * (num_experts / counts.sum().clamp_min(1.0))
-    p = normalized_scores(scores).mean(dim=0)
-    return (f * p).sum()
+    return counts * (num_experts / counts.sum().clamp_min(1.0))
+
+
+def mean_scores(scores: torch.Tensor) -> torch.Tensor:
+    """scores [T, E] -> P [E], the mean over tokens of the normalized scores: the loss's gradient path."""
+    return normalized_scores(scores).mean(dim=0)
 
 
 def sequence_balance_loss(scores: torch.Tensor, experts: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -82,20 +88,3 @@ def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """logits [T, E] fp32 -> mean over tokens of logsumexp(logits)^2."""
     return torch.logsumexp(logits, dim=-1).square().mean()
 
-
-def add_global_counts(buffer: torch.Tensor, tokens_per_expert: torch.Tensor,
-                      group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Add this micro-batch's counts [E], summed over the ranks of `group`, to the step's
-    running `buffer` [E] int64 (the router's; the balancing hook zeroes it every step).
-
-    -> a copy of the buffer: the counts f uses for this micro-batch. The sum over ranks is one
-    functional all-reduce of E integers. A checkpointed recompute adds nothing and reads what its
-    forward saw: the next micro-batch has not run yet. Called eagerly (Router.forward, outside the
-    compiled region): compiled code cannot tell a recompute and would count again.
-    """
-    if not recomputing():
-        counts = tokens_per_expert
-        if group is not None and dist.get_world_size(group) > 1:
-            counts = funcol.all_reduce(counts, "sum", group)
-        buffer.add_(counts)
-    return buffer.clone()

@@ -11,8 +11,8 @@ from its parts: `Library.define`, the function as the CPU and CUDA kernel, and a
 an `autograd.Function` that calls the op below autograd. torch's generic wrapper adds per call an
 aliasing check, argument filling, pytree passes and a generated Function that our ops do not need:
 on H100 hosts (torch 2.11, kernels/bench_op_host.py) gather_rows took 163-194 us of host time forward
-and 600-685 us forward + backward through it, 139-142 and 501-555 us through this registration
-(worklogs/2026-11-25-dispatch-path-host.md). The dispatch path calls about 20 such ops per MoE layer
+and 600-685 us forward + backward through it, 139-142 and 501-555 us through this registration.
+The dispatch path calls about 20 such ops per MoE layer
 and is host-bound (80-92% GPU idle at 8192 tokens); where a host sync drains the GPU's queue (the
 all-to-all split sizes) each microsecond of host time is GPU idle time.
 

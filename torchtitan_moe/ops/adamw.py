@@ -22,7 +22,7 @@ step's update unrounded, and stored once. bf16 moments are rounded stochasticall
 the probabilities that make the expected value exact; random bits from the parameter's seed and the
 element's index): rounded to nearest, an update smaller than half a bf16 step (2^-9 relative) is lost
 every time (a bias a test shows); over 500 steps of Qwen3-30B-A3B at 8 layers both roundings stayed
-within fp32 moments' run-to-run spread (worklogs/2026-11-25-bf16-moments.md).
+within fp32 moments' run-to-run spread.
 param stays fp32 (the master weights); grad may be any float dtype. With fp32 moments the result is
 torch.optim.AdamW's up to fp32 rounding order, and the seeds are unused.
 

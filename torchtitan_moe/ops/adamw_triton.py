@@ -11,7 +11,7 @@ with bf16 moments and fp32 param and grad, 28 with fp32 moments, 2 more with a w
 One launch for a group rather than one per parameter: the optimizer updates ~90 parameters a step
 (30B-A3B at 8 layers, EP = 2), and a launch from the host costs ~100-160 us through the op, the
 checks and Triton's launcher, on the hosts where local batch 2 waits for the host (15 ms of host time
-a step in a profile, worklogs/2026-11-27-session10-h200x2.md).
+a step in a profile).
 """
 
 import torch
@@ -75,16 +75,15 @@ def _random_words(seed, first_group, BLOCK: tl.constexpr):
     """[BLOCK] uint32 words for BLOCK consecutive elements, from one Philox call (its four words) per four
     elements: group q = element // 4 draws randint4x(seed, q). A call per element (10 rounds of 32-bit
     multiplies) made the update ALU-bound at the clocks of a GPU at its power cap: 19.5 ms a step at local
-    batch 4 on 2 H200s, now 17.0, 13.3 at 20 bytes an element and the copy rate
-    (worklogs/2026-11-28-session18-h200x2.md)."""
+    batch 4 on 2 H200s, now 17.0, 13.3 at 20 bytes an element and the copy rate."""
     r0, r1, r2, r3 = tl.randint4x(seed, first_group + tl.arange(0, BLOCK // 4))
     return tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,))
 
 
 def adamw_foreach_triton(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, seeds,
                          grad_scale, workings, block: int = BLOCK, num_warps: int = NUM_WARPS) -> None:
-    """workings: a working copy for every param, or None for every param. block, num_warps: for studies
-    (scripts/study_gate_adamw.py); the op uses the defaults."""
+    """workings: a working copy for every param, or None for every param. block, num_warps: for benchmarks
+    that sweep them; the op uses the defaults."""
     sizes = tuple(p.numel() for p in params)
     if not sum(sizes):
         return

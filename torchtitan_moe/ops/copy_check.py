@@ -8,7 +8,7 @@ The training-health check of the experts' working copies (moe/experts.py: stale_
 on every monitor step: the GEMMs read the copies, so a weight changed behind the update's back would
 train on stale weights without a sign. In torch it is a cast, a comparison and a reduction per weight
 (~12 bytes moved per weight: 7.5 ms a monitor step at 30B-A3B-8l, EP = 2, 2.4B expert weights a rank,
-in session 10's trace); the Triton kernel reads each weight and its copy once (6 bytes), all of them in
+in a profile); the Triton kernel reads each weight and its copy once (6 bytes), all of them in
 one launch (the program and device tables of ops/_triton_utils.py, as the one-launch AdamW), and writes
 one flag per program. Not traced by autograd (a check); registered with torch.library so a compiled
 region would see one node.

@@ -16,7 +16,7 @@ significand; `split_bf16`), so fp32 products come out of bf16 GEMMs with fp32 ac
 
 The parts are made by one Triton kernel each (ops/gate_triton.py: the gradient's two layouts in one pass),
 and dx comes out of its GEMM in bf16 (no fp32 [T, D] product in memory). On an H200 at T = 16,384
-(kernels/bench_gate.py, worklogs/2026-11-27-session9-h200x2.md): forward 97 us against the compiled fp32
+(kernels/bench_gate.py): forward 97 us against the compiled fp32
 GEMM's 235, backward 377 us against 457 (the torch ops' splits had taken 83-86 us each, the dx product 62 us
 in fp32 and 53 more to cast it); in the training step's profile the backward's kernels take ~115 us a layer.
 The torch reference is the fp32 GEMM itself. On CPU (TRITON_INTERPRET=1, how CI runs the fast path) a bf16

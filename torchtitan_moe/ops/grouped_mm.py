@@ -70,7 +70,7 @@ def _backward(ctx, dy):
             # w is the transposed view of a weight stored [E, F, D] (the experts' layout): compute
             # dw in that layout, so the gradient has the weight's strides. A [E, D, F] gradient
             # would cost a transposing elementwise pass over the whole weight when it is
-            # accumulated (15% of the layer at dim 4096, expert dim 14336; see the worklog).
+            # accumulated (15% of the layer at dim 4096, expert dim 14336).
             dw = _grouped_mm_weight(dy, x, offsets).transpose(-2, -1)
         else:
             dw = _grouped_mm_weight(x, dy, offsets)

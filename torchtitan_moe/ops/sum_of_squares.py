@@ -5,8 +5,8 @@
 What gradient clipping and the training-health monitor need of the gradients (components/optimizer.py:
 total_grad_norm, checks/monitors.py: local_grad_norm): the experts' bf16 gradients are 2.4B elements a
 rank at 30B-A3B-8l, EP = 2. The reference is torch's foreach norm per dtype, accumulated in fp32 from the
-tensors as they are, which runs ~115 launches of 320 blocks over them (2.0 ms a step on an H200 in session
-10's trace, 4.8 GB: about half the copy bandwidth); the Triton kernel reads every element once, one launch
+tensors as they are, which runs ~115 launches of 320 blocks over them (2.0 ms a step on an H200 in a
+profile, 4.8 GB: about half the copy bandwidth); the Triton kernel reads every element once, one launch
 per dtype (the program and device tables of ops/_triton_utils.py, as the one-launch AdamW), writes one fp32
 partial sum per program, and torch sums those (deterministic: no atomics). The two differ in rounding only
 (the order of the sums; the reference squares a norm).

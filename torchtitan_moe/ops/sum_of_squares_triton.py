@@ -31,7 +31,7 @@ def _squares_kernel(table_ptr, block_tensor_ptr, block_index_ptr, partial_ptr, D
 
 
 def sum_of_squares_triton(tensors: list[torch.Tensor], block: int = BLOCK, num_warps: int = NUM_WARPS) -> torch.Tensor:
-    """tensors: one dtype. block, num_warps: for studies (scripts/study_monitor_step.py); the op uses the defaults."""
+    """tensors: one dtype. block, num_warps: for benchmarks that sweep them; the op uses the defaults."""
     sizes = tuple(t.numel() for t in tensors)
     device = tensors[0].device
     if not sum(sizes):

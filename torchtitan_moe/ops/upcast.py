@@ -6,7 +6,7 @@
 The experts' weight gradients come out of their bf16 GEMMs and reach the fp32 master weights
 through this cast (moe/experts.py, once per weight and step). torch's `x.float()` runs it through
 a dynamically casting elementwise kernel at about half the copy bandwidth: 7.6 ms of a 240 ms step
-at EP = 2 on 2 H200s (2.4 billion expert weights a rank; worklogs/2026-11-26-session4-h200x2.md);
+at EP = 2 on 2 H200s (2.4 billion expert weights a rank);
 the Triton kernel reads and writes each element once in wide vector accesses.
 """
 

@@ -3,7 +3,8 @@
 Under expert parallelism the experts' weights are also split here, on the expert dim over
 the `ep` mesh (rank r of EP holds experts [r E/EP, (r+1) E/EP)), before FSDP2 shards them
 further over `efsdp`. Which dispatcher, and why, is decided once (parallel/choose.py) and
-logged; the DeepEP layers share one backend: one buffer, one frozen setting.
+logged; dispatch/registry.py builds it: what its layers share (DeepEP's buffer, the all-gather
+transport) once, then one dispatcher per layer.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtitan_moe.dispatch.all_gather import AllGatherDispatcher, build_transport
-from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.dispatch.peer_memory import PeerMemoryUnavailable
-from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.config.sections import ConfigError, dispatch_run, dispatch_unavailable
+from torchtitan_moe.dispatch import registry
+from torchtitan_moe.dispatch.seam import Unavailable
+from torchtitan_moe.moe.layer import MoE
 from torchtitan_moe.parallel.choose import choose_dispatcher
 from torchtitan_moe.parallel.tuned import Shape
-from torchtitan_moe.moe.layer import MoE
 
 logger = logging.getLogger(__name__)
 
@@ -59,28 +59,14 @@ def build_dispatchers(model: nn.Module, parallel_dims, job_config) -> None:
     shape = run_shape(moes[0], job_config, ep, device)
     choice = choose_dispatcher(job_config, shape, group, device_sms(device))
     logger.info(f"[dispatch] {choice.reason}")
-    backend = None  # what the layers' dispatchers share: DeepEP's buffer, or the all-gather's transport
-    if choice.backend == "all_gather":
-        try:
-            backend = build_transport(group, device)
-        except PeerMemoryUnavailable as e:
-            raise ConfigError(f"[dispatch] backend = 'all_gather': {e}; use 'deepep' or 'all_to_all'") from None
-    if choice.backend == "deepep":
-        from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
-        from torchtitan_moe.dispatch.deepep_backend import DeepEPV1
-
-        backend = DeepEPV1(group, choice.settings, shape.hidden)
-    buffers = job_config.dispatch.buffers
+    run = dispatch_run(job_config, ep, gpus=device.type == "cuda")
+    try:
+        layer_dispatcher = registry.get(choice.backend).builder(run, group, device, choice.settings, shape.hidden)
+    except Unavailable as e:  # e.g. the all-gather's copy-engine transport: no symmetric memory here
+        raise ConfigError(dispatch_unavailable(choice.backend, run, e)) from None
     for moe in moes:
-        if choice.backend == "local":
-            moe.set_dispatcher(moe.local_dispatcher(device))
-            continue
-        moe.overlap = job_config.dispatch.overlap
         kernels, align = moe.dispatch_settings(device)
-        shard_experts(moe, ep_mesh)
-        if choice.backend == "all_to_all":
-            moe.set_dispatcher(AllToAllDispatcher(moe.num_experts, group, align=align, kernels=kernels, buffers=buffers))
-        elif choice.backend == "all_gather":
-            moe.set_dispatcher(AllGatherDispatcher(moe.num_experts, backend, align=align, kernels=kernels))
-        else:
-            moe.set_dispatcher(DeepEPDispatcher(moe.num_experts, backend, align=align, kernels=kernels, buffers=buffers))
+        if ep_mesh is not None:
+            moe.overlap = job_config.dispatch.overlap
+            shard_experts(moe, ep_mesh)
+        moe.set_dispatcher(layer_dispatcher(moe.num_experts, align, kernels))

@@ -1,53 +1,36 @@
 """Which dispatcher a run gets, and why (build_dispatchers logs the reason once).
 
-    local, all_to_all   as [dispatch] backend says (the config checks matched them to the EP degree)
-    deepep              DeepEP with the settings of the tuned entry that matches the run, else
-                        DeepEP's defaults (24 SMs); [dispatch] num_sms overrides the SM count.
-                        A node that cannot run it (no deep_ep, EP across nodes, no peer access)
-                        is an error, before step 1.
-    auto                EP = 1: local. EP > 1: the fastest dispatcher of the tuned entry that matches
-                        the run, deepep or all_gather only where this run can use it (else the faster of
-                        the others); all_to_all without one.
-A tuned file that does not parse, or names more SMs than the GPU has, is an error either way.
+    a dispatcher   as [dispatch] backend says (the config checks matched it to the run). One that needs
+                   the machine's say (deepep: the deep_ep library, the EP group on one node with peer
+                   access, shapes its kernels take) asks it first: a machine that cannot run it is an
+                   error, before step 1. deepep takes the settings of the tuned entry that matches the
+                   run, else DeepEP's defaults (24 SMs); [dispatch] num_sms overrides the SM count.
+    auto           EP = 1: local. EP > 1: of the tuned entry that matches the run, its fastest dispatcher
+                   that this run and machine can use (its `best` first, then by time); the registry's
+                   default (all_to_all) without one.
+A tuned file that does not parse, or names more SMs than the GPU has, is an error either way. What
+each dispatcher takes, and what it needs of the machine, is dispatch/registry.py's.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.config.sections import DISPATCH_KEYS, ConfigError, dispatch_run, dispatch_unavailable
+from torchtitan_moe.dispatch import registry
+from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings, default_settings
 from torchtitan_moe.parallel import tuned
-from torchtitan_moe.dispatch.all_gather import EP_SIZES
-from torchtitan_moe.dispatch.peer_memory import peers_problem
-from torchtitan_moe.dispatch.deepep_backend import (
-    DeepEPSettings,
-    DeepEPUnavailable,
-    check_group,
-    default_settings,
-    import_deep_ep,
-    shape_problem,
-)
 
 TUNER = "python -m torchtitan_moe.tools.tune_dispatch CONFIG"
 
 
 @dataclass
 class Choice:
-    backend: str  # "local", "all_to_all", "deepep" or "all_gather"
-    settings: DeepEPSettings | None  # deepep's
+    backend: str  # a name of dispatch/registry.py
+    settings: DeepEPSettings | None  # a tuned dispatcher's (deepep)
     reason: str  # one line for the log
-
-
-def deepep_preflight(group: dist.ProcessGroup, shape: tuned.Shape) -> None:
-    """Raise DeepEPUnavailable unless this run can use DeepEP. Collective over `group`."""
-    import_deep_ep()
-    problem = shape_problem(shape.hidden, shape.top_k, shape.experts // shape.ep)
-    if problem:
-        raise DeepEPUnavailable(problem)
-    check_group(group)
 
 
 def _deepep_settings(cfg, shape: tuned.Shape, entry: tuned.TunedEntry | None, path: str,
@@ -66,18 +49,28 @@ def _deepep_settings(cfg, shape: tuned.Shape, entry: tuned.TunedEntry | None, pa
 
 def _timings(entry: tuned.TunedEntry) -> str:
     ms = entry.layer_ms
-    return "MoE layer forward + backward " + " vs ".join(f"{k} {ms[k]:.2f} ms" for k in tuned.BACKENDS if k in ms)
+    return "MoE layer forward + backward " + " vs ".join(f"{k} {ms[k]:.2f} ms" for k in sorted(ms, key=ms.get))
+
+
+def _why_not(name: str, run: registry.Run, group: dist.ProcessGroup | None) -> str | None:
+    """Why this run (its config, then its machine) cannot use dispatcher `name`, or None. May be collective."""
+    entry = registry.get(name)
+    return entry.problem(run, DISPATCH_KEYS) or entry.machine_problem(group, run)
 
 
 def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, device_sms: int | None) -> Choice:
     """`cfg`: the job config ([dispatch], [training]); `shape`: this run's tuned-table key."""
     backend = cfg.dispatch.backend
-    if backend == "local" or (backend == "auto" and shape.ep == 1):
-        return Choice("local", None, "local (EP = 1)" if backend == "auto" else "local ([dispatch] backend)")
-    if backend == "all_to_all":
-        return Choice("all_to_all", None, "all_to_all ([dispatch] backend)")
-    if backend == "all_gather":
-        return Choice("all_gather", None, "all_gather ([dispatch] backend)")
+    run = dispatch_run(cfg, shape.ep, gpus=device_sms is not None, hidden=shape.hidden, top_k=shape.top_k,
+                       experts=shape.experts)
+    if backend == "auto" and shape.ep == 1:
+        name = registry.default(run).name
+        return Choice(name, None, f"{name} (EP = 1)")
+    if backend != "auto" and not registry.get(backend).tuned:  # no tuned settings: the file is not read
+        why = registry.get(backend).machine_problem(group, run)
+        if why:
+            raise ConfigError(dispatch_unavailable(backend, run, why))
+        return Choice(backend, None, f"{backend} ([dispatch] backend)")
 
     user_file = cfg.dispatch.tuned_file
     found = tuned.lookup(user_file, shape)
@@ -87,49 +80,31 @@ def choose_dispatcher(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, 
         tuned.check_device(found[2], found[1], path, device_sms)
         entry = found[2]
 
-    if backend == "deepep":
-        try:
-            deepep_preflight(group, shape)
-        except DeepEPUnavailable as e:
-            raise ConfigError(f"[dispatch] backend = 'deepep': {e}") from None
+    if backend != "auto":  # a tuned dispatcher (deepep), asked for by name
+        why = registry.get(backend).machine_problem(group, run)
+        if why:
+            raise ConfigError(dispatch_unavailable(backend, run, why))
         settings, why = _deepep_settings(cfg, shape, entry, path, device_sms)
-        return Choice("deepep", settings, f"deepep: {why}")
+        return Choice(backend, settings, f"{backend}: {why}")
 
     # auto at EP > 1
+    fallback = registry.default(run).name
     if entry is None:
-        return Choice("all_to_all", None, f"auto: all_to_all, no tuned entry for {shape.describe()} in {path} "
-                                          f"(measure with {TUNER})")
+        return Choice(fallback, None, f"auto: {fallback}, no tuned entry for {shape.describe()} in {path} "
+                                      f"(measure with {TUNER})")
     where = f"{path} for {entry.shape.describe()} ({_timings(entry)})"
-    best, passed_over = entry.best, ""
-    if best == "all_gather":
-        blocker = _all_gather_blocker(cfg, shape, group, device_sms)
-        if blocker is None:
-            return Choice("all_gather", None, f"auto: all_gather, the fastest in {where}")
-        passed_over = f"all_gather is the fastest there, but {blocker}; "
-        ms = entry.layer_ms
-        best = "deepep" if ms.get("deepep", math.inf) < ms.get("all_to_all", math.inf) else "all_to_all"
-    if best == "all_to_all":
-        return Choice("all_to_all", None, f"auto: {passed_over}all_to_all, faster than deepep in {where}")
-    if cfg.training.mixed_precision_param != "bfloat16":
-        blocker = "DeepEP needs [training] mixed_precision_param = 'bfloat16'"
+    others = sorted((n for n in entry.layer_ms if n != entry.best and n in registry.DISPATCHERS), key=entry.layer_ms.get)
+    passed_over = []
+    for name in [entry.best, *others]:
+        why = _why_not(name, run, group)
+        if why is None:
+            break
+        passed_over.append(f"; not {name}: {why}")
     else:
-        try:
-            deepep_preflight(group, shape)
-            blocker = None
-        except DeepEPUnavailable as e:
-            blocker = str(e)
-    if blocker:
-        return Choice("all_to_all", None, f"auto: {passed_over}all_to_all; deepep is faster in {where}, but {blocker}")
+        name = fallback
+    fastest = "the fastest" if not passed_over else "the fastest this run can use"
+    reason = f"auto: {name}, {fastest} in {where}" + "".join(passed_over)
+    if not registry.get(name).tuned:
+        return Choice(name, None, reason)
     settings, why = _deepep_settings(cfg, shape, entry, path, device_sms)
-    return Choice("deepep", settings, f"auto: {passed_over}deepep, faster in {where}; {why}")
-
-
-def _all_gather_blocker(cfg, shape: tuned.Shape, group: dist.ProcessGroup | None, device_sms: int | None) -> str | None:
-    """Why this run cannot use the all_gather dispatcher, or None. Collective over `group` on GPUs."""
-    if shape.ep not in EP_SIZES:
-        return f"it takes EP = 2, not {shape.ep}"
-    if cfg.dispatch.overlap != "none":
-        return f"it has no [dispatch] overlap = {cfg.dispatch.overlap!r}"
-    if device_sms is not None and group is not None:  # on GPUs: the copy-engine transport's peers
-        return peers_problem(group)
-    return None
+    return Choice(name, settings, f"{reason}; {why}")

@@ -3,7 +3,7 @@
 Under FSDP2 each block's router is a group of its own, its gate fp32 where the block all-gathers bf16:
 two groups a layer. Its forward pre-hook and post-backward hook cost the host about 1 ms each a layer
 (profiled) for a 0.5 MB all-gather and reduce-scatter (rank 0's profile of 30B-A3B-8l at EP = 2, local
-batch 4, 2 H200s: worklogs/2026-11-27-session13-h200x2.md), where local batch 2 waits for the host. Here each
+batch 4, 2 H200s), where local batch 2 waits for the host. Here each
 rank keeps the shard FSDP2 would (a DTensor, Shard(0) on the same mesh: checkpoints, the sharded init,
 the clip and the optimizer see the same parameter) and the router's forward gathers it (compat/collectives.py's gathered_rows):
 

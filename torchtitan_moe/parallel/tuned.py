@@ -25,13 +25,12 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.dispatch import registry
 from torchtitan_moe.dispatch.deepep_backend import DeepEPSettings
 
 VERSION = 1
-BACKENDS = ("deepep", "all_to_all", "all_gather")  # all_gather: timed at EP = 2 only
 # Entries measured on H200s. EP = 2: tune_dispatch on 2 H200s (configs/qwen3_30b_a3b_8l.toml,
-# 8192 tokens/rank, DeepEP 567632d, torch 2.11.0+cu130) at project commit 2c40531, 2026-11-23,
-# measured outside the project's own runs (shared/measured/h200x2-ep2-dispatch.json).
+# 8192 tokens/rank, DeepEP 567632d, torch 2.11.0+cu130); each entry records its versions and the day it was tuned.
 SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuned_dispatch.json")
 
 
@@ -54,7 +53,7 @@ class Shape:
 @dataclass
 class TunedEntry:
     shape: Shape
-    best: str  # "deepep", "all_to_all" or "all_gather"
+    best: str  # a dispatcher of dispatch/registry.py
     deepep: DeepEPSettings
     layer_ms: dict[str, float]
     dispatch_combine_ms: dict[str, float] = field(default_factory=dict)
@@ -78,8 +77,8 @@ def _entry(raw, where: str) -> TunedEntry:
         raise ConfigError(f"{where}: missing key {e}") from None
     except (TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"{where}: {e}") from None
-    if best not in BACKENDS:
-        raise ConfigError(f"{where}: best = {best!r}: expected one of {', '.join(BACKENDS)}")
+    if best not in registry.DISPATCHERS:
+        raise ConfigError(f"{where}: best = {best!r}: expected one of {', '.join(registry.NAMES)}")
     if best not in layer_ms:
         raise ConfigError(f"{where}: best = {best!r} has no time in layer_ms ({', '.join(layer_ms) or 'empty'})")
     problem = settings.problem()

@@ -10,9 +10,10 @@ Trains every combination of model (torchtitan's "torchtitan_qwen3_moe", or ours 
 dispatcher that runs here), router (learned, or forced balance) and mode (eager, compiled)
 one after the other on this node, from the same config and data, and prints one table:
 tokens/s/GPU (median of the logged steps after --warmup; with --log-freq N each logged figure is the
-mean of the N steps before it), TFLOP/s, MFU, peak memory and the final
-loss, with the ratios to torchtitan eager and compiled with the same router, measured in
-this run; then, for each model and router run both ways, how far the compiled loss is from the
+mean of the N steps before it), the tokens a step trains (the global batch: local batch x seq x processes
+x --grad-accum), TFLOP/s and MFU in torchtitan's count and MFU in the causal count (components/flops.py),
+tokens per joule (--gpu-power), peak memory and the final loss, with the ratios to torchtitan eager and
+compiled with the same router, measured in this run; then, for each model and router run both ways, how far the compiled loss is from the
 eager one (at the last step, and over the last LOSS_WINDOW steps: compiling must not change
 training). Writes `bench_train.md`, `bench_train.json` and `bench_train.png` (loss curves:
 the variants should train alike) to --out. Every run of a model starts from the same weights: [debug]
@@ -23,19 +24,21 @@ torchtitan's MoE runs on CUDA only.
 --vary section.key=v1,v2 (repeatable) trains each of our variants once per combination of the
 values (torchtitan's once, as configured) and adds a table of each combination against the first
 one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buffers=exact,worst_case`,
-`--vary optimizer.moments_dtype=float32,bfloat16`. Every combination is checked as a config first.
+`--vary optimizer.moments_dtype=float32,bfloat16`, `--vary data.attention=causal,document` (document masking's cost,
+with `-- --training.dataset shards --training.dataset_path DIR`). Every combination is checked as a config first.
 
 --repeat K trains every variant K times, in K rounds of all variants (so a slow spell of the machine falls on
 every variant alike), every second round in the reverse order (A B, B A, ...: on 2 H200s the second of two
-runs ran ~1% faster in either order, worklogs/2026-11-27-session13-h200x2.md): the table gives the median of
+runs ran ~1% faster in either order): the table gives the median of
 the runs' tokens/s with their range, and --vary's ratios are the median of each round's ratio, with their range.
-On 2 H200s one setting's runs spread by up to 6% (worklogs/2026-11-26-session3-h200x2.md): a change of 1-2%
+On 2 H200s one setting's runs spread by up to 6%: a change of 1-2%
 needs several rounds to show.
 
 --gpu-power samples every GPU's power draw, SM clock, temperature and clock-limit reasons with nvidia-smi through each run
-(torchtitan_moe/tools/gpu_power.py) and adds a table of their medians over each run's timed steps: a run slower
-because its GPUs ran slower (at the power cap, or hot) shows there; one slower at the same clocks points at the host.
-Its tokens per joule (tokens/s/GPU over the GPUs' mean watts) is what a change must raise where the GPUs run at the cap.
+(torchtitan_moe/tools/gpu_power.py) and adds a table of their medians over each run's timed steps, over the GPUs the
+run used (CUDA_VISIBLE_DEVICES, else the first --nproc): a run slower because its GPUs ran slower (at the power cap,
+or hot) shows there; one slower at the same clocks points at the host. Its tokens per joule (tokens/s/GPU over those
+GPUs' mean watts) is what a change must raise where the GPUs run at the cap.
 
 --report trains nothing: it writes the tables of the runs already in --out, given the arguments they ran
 with (a bench stopped before its tables, e.g. by a time limit after its last run's timed steps).
@@ -65,11 +68,12 @@ from pathlib import Path
 
 import torch
 
+from torchtitan_moe.dispatch import registry
 from torchtitan_moe.tools import gpu_power, step_profile
 from torchtitan_moe.tools.parity import log_tail, override, run_training, settings_from, split_overrides
 from torchtitan_moe.tools.parity_report import read_metrics
 
-MODELS = ("torchtitan", "local", "all_to_all", "deepep", "all_gather")
+MODELS = ("torchtitan", *registry.NAMES)  # torchtitan's MoE, or ours with one of our dispatchers
 ROUTERS = ("learned", "balanced")
 MODES = ("eager", "compiled")
 LOSS_WINDOW = 10  # steps averaged in the eager-vs-compiled loss comparison
@@ -106,8 +110,10 @@ class Variant:
         return args
 
 
-def available_models(ep: int) -> list[str]:
-    ours = ["local"] if ep == 1 else ["all_to_all"] + (["deepep"] if importlib.util.find_spec("deep_ep") else [])
+def available_models(ep: int, param_dtype: str = "bfloat16") -> list[str]:
+    """torchtitan's (on CUDA), and ours with every dispatcher that takes the run and whose library is here."""
+    run = registry.Run(ep, param_dtype=param_dtype)
+    ours = [e.name for e in registry.usable(run) if e.missing is None or e.missing() is None]
     return (["torchtitan"] if torch.cuda.is_available() else []) + ours
 
 
@@ -144,6 +150,7 @@ def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
     result = {
         "tps": statistics.median(r["throughput(tps)"] for r in timed),
         "tflops": statistics.median(r["tflops"] for r in timed),
+        **({"tflops_causal": statistics.median(r["tflops_causal"] for r in timed)} if "tflops_causal" in timed[0] else {}),
         "memory_gib": max(r["memory/max_reserved(GiB)"] for r in records),
         "final_loss": records[-1]["loss"],
         "steps": records[-1]["step"],
@@ -152,17 +159,20 @@ def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
     }
     if "mfu(%)" in timed[0]:
         result["mfu"] = statistics.median(r["mfu(%)"] for r in timed)
+    if "mfu_causal(%)" in timed[0]:
+        result["mfu_causal"] = statistics.median(r["mfu_causal(%)"] for r in timed)
     if "time" in timed[-1]:  # the timed steps ran from the last untimed step's log to the last timed one's
         untimed = [r for r in records if r["step"] <= warmup]
         result["window"] = ((untimed or timed)[-1]["time"], timed[-1]["time"])
     return result
 
 
-def gpus_during(samples: Path, run: dict) -> dict:
-    """Each GPU's medians (gpu_power.summarize) over the run's timed steps."""
+def gpus_during(samples: Path, run: dict, devices: list[str]) -> dict:
+    """Each of the run's GPUs' medians (gpu_power.summarize) over the run's timed steps."""
     if "window" not in run:
         raise SystemExit("bench_train: --gpu-power needs the logged steps' times (metrics.jsonl's \"time\")")
-    return gpu_power.summarize(gpu_power.during(gpu_power.read_samples(samples), *run["window"]))
+    taken = gpu_power.during(gpu_power.read_samples(samples), *run["window"])
+    return gpu_power.summarize(gpu_power.on(taken, devices))
 
 
 def tokens_per_joule(tps: float, gpus: dict) -> float:
@@ -201,7 +211,7 @@ def combine_runs(runs: list[dict]) -> dict:
     result = {**runs[0], "memory_gib": max(r["memory_gib"] for r in runs), "tps_runs": [r["tps"] for r in runs]}
     if "gpus" in runs[0]:
         result["gpus_runs"] = [r["gpus"] for r in runs]
-    for key in ("tps", "tflops", "mfu"):
+    for key in ("tps", "tflops", "tflops_causal", "mfu", "mfu_causal", "tokens_per_joule"):
         if key in runs[0]:
             result[key] = statistics.median(r[key] for r in runs)
     if "profile" in runs[-1]:
@@ -220,17 +230,22 @@ def ratio(value: float, base: dict | None) -> str:
 
 
 def table(variants: list[Variant], results: dict[str, dict]) -> str:
-    lines = ["| variant | tokens/s/GPU | TFLOP/s | MFU | peak memory GiB | final loss | / tt eager | / tt compiled |",
-             "|---|---|---|---|---|---|---|---|"]
+    """One row per variant. MFU in torchtitan's count, then in the causal count; tokens/J per GPU where the GPUs
+    were sampled (--gpu-power). Ratios: to torchtitan with the same router and accumulation."""
+    lines = ["| variant | tokens/s/GPU | tokens/step | TFLOP/s | MFU | MFU causal | tokens/J per GPU | peak memory GiB "
+             "| final loss | / tt eager | / tt compiled |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for v in variants:
         r = results[v.name]
         if "failed" in r:
-            lines.append(f"| {v.name} | failed: {r['failed']} | | | | | | |")
+            lines.append(f"| {v.name} | failed: {r['failed']} | | | | | | | | | |")
             continue
         eager = results.get(dataclasses.replace(v, model="torchtitan", mode="eager", vary=()).name)
         compiled = results.get(dataclasses.replace(v, model="torchtitan", mode="compiled", vary=()).name)
-        mfu = f"{r['mfu']:.1f}%" if "mfu" in r else "-"
-        lines.append(f"| {v.name} | {tps_cell(r)} | {r['tflops']:.1f} | {mfu} | {r['memory_gib']:.1f} | "
+        cells = [f"{r['tokens_per_step']:,}" if "tokens_per_step" in r else "-", f"{r['tflops']:.1f}"]
+        cells += [f"{r[key]:.1f}%" if key in r else "-" for key in ("mfu", "mfu_causal")]
+        cells.append(f"{r['tokens_per_joule']:,.1f}" if "tokens_per_joule" in r else "-")
+        lines.append(f"| {v.name} | {tps_cell(r)} | " + " | ".join(cells) + f" | {r['memory_gib']:.1f} | "
                      f"{r['final_loss']:.4f} | {ratio(r['tps'], eager)} | {ratio(r['tps'], compiled)} |")
     return "\n".join(lines)
 
@@ -384,13 +399,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def config_value(config: str, extra: list[str], key: str, default: int) -> int:
-    """An integer `section.key` as the run will see it: the overrides first, then the TOML."""
+def config_value(config: str, extra: list[str], key: str, default):
+    """`section.key` as the run will see it, of `default`'s type: the overrides first, then the TOML."""
     from torchtitan_moe.train.job_config import cli_value, read_toml
 
     value = cli_value(extra, key)
     if value is not None:
-        return int(value)
+        return type(default)(value)
     section, name = key.split(".")
     return read_toml(config).get(section, {}).get(name, default)
 
@@ -400,10 +415,13 @@ def main(argv: list[str] | None = None) -> int:
     nproc = args.nproc or max(torch.cuda.device_count(), 1)
     ep = config_value(args.config, args.extra, "parallelism.expert_parallel_degree", 1)
     local_batch = config_value(args.config, args.extra, "training.local_batch_size", 8)  # torchtitan's default
+    seq_len = config_value(args.config, args.extra, "training.seq_len", 2048)  # torchtitan's default
     seed = config_value(args.config, args.extra, "debug.seed", args.seed)
-    models = args.models.split(",") if args.models else available_models(ep)
+    param_dtype = config_value(args.config, args.extra, "training.mixed_precision_param", "bfloat16")  # torchtitan's
+    models = args.models.split(",") if args.models else available_models(ep, param_dtype)
+    devices = gpu_power.run_devices(nproc) if args.gpu_power else []  # the GPUs the runs use: before anything trains
     if args.gpu_power and not args.report:
-        gpu_power.nvidia_smi()  # before anything trains
+        gpu_power.nvidia_smi()
     combinations = vary_combinations(args.vary)
     check_combinations(args.config, args.extra, combinations, nproc)
     variants = [Variant(m, r, mode, n, vary if m != "torchtitan" else ())
@@ -449,9 +467,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
                 continue
             run = summarize(read_metrics(dump), args.warmup, PROFILED_STEPS + 1 if args.profile else 0)
+            run["tokens_per_step"] = local_batch * seq_len * nproc * v.accum
             print(f"  {run['tps']:,.0f} tokens/s/GPU", flush=True)
             if args.gpu_power:
-                run["gpus"] = gpus_during(samples, run)
+                run["gpus"] = gpus_during(samples, run, devices)
+                if run["gpus"]:
+                    run["tokens_per_joule"] = tokens_per_joule(run["tps"], run["gpus"])
             if args.profile:
                 run["profile"] = profile_of(dump, args.steps)
             runs[v.name].append(run)

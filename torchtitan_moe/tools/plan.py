@@ -1,13 +1,14 @@
 """Parallelism planner: memory per GPU and the expert exchange's time for each sensible layout.
 
     python -m torchtitan_moe.tools.plan CONFIG --nodes N --gpus-per-node G [--gpu h200|h100|b200]
-        [--global-batch TOKENS] [--section.key value ...]
+        [--global-batch TOKENS] [--breakdown] [--section.key value ...]
 
 For every layout (EP within a node or across nodes, FSDP or HSDP, activation checkpointing off or
 on) it prints the memory one GPU needs at the config's micro-batch and sequence, against the GPU's,
 and the time one MoE layer's exchange takes (dispatch + combine, forward), from the bytes a rank
 sends to other ranks and the link they cross, then recommends the fitting layout with the
-shortest estimated step. Nothing runs on a GPU: it is arithmetic on the flavor's shapes.
+shortest estimated step. Nothing runs on a GPU: it is arithmetic on the flavor's shapes. --breakdown
+prints instead the config's own layout term by term and the candidates to cut it (tools/plan_memory.py).
 
 Memory, per GPU, from first principles (no term fitted to a measurement). It predicts what
 `bench_train` prints: torch's peak *reserved* memory, the caching allocator's segments. The parts:
@@ -49,11 +50,13 @@ import math
 import sys
 from dataclasses import dataclass
 
+from torchtitan_moe.components.flops import flops_per_token
 from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.dispatch import registry
 
 GIB = 1024**3
 USAGE = ("usage: python -m torchtitan_moe.tools.plan CONFIG --nodes N --gpus-per-node G [--gpu h200|h100|b200] "
-         "[--global-batch TOKENS] [--section.key value ...]")
+         "[--global-batch TOKENS] [--breakdown] [--section.key value ...]")
 
 
 @dataclass(frozen=True)
@@ -66,15 +69,15 @@ class Gpu:
 
 
 GPUS = {
-    # H200: 143,771 MiB measured (worklogs/2026-11-23-one-gpu-step.md); NVLink 18 x 26.6 GB/s as bench_dispatch.
+    # H200: 143,771 MiB measured; NVLink 18 x 26.6 GB/s as bench_dispatch.
     "h200": Gpu("H200", 143_771 / 1024, 18 * 26.6, 50.0, 989.0),
     "h100": Gpu("H100", 81_559 / 1024, 18 * 26.6, 50.0, 989.0),
     "b200": Gpu("B200", 183_359 / 1024, 18 * 50.0, 50.0, 2250.0),
 }
 
 # Measured share of the NVLink limit (kernels/bench_dispatch.py, H200, 8192 tokens/rank, Qwen3-30B-A3B
-# shapes): all_to_all (NCCL, per-rank rows) 44% at EP 2 and 55% at EP 4 (worklogs/2026-11-21-expert-
-# parallel-h200x4.md); DeepEP tuned 38% dispatch, 41% combine at EP 2 (worklogs/2026-11-24-ep2-h200x2.md).
+# shapes): all_to_all (NCCL, per-rank rows) 44% at EP 2 and 55% at EP 4;
+# DeepEP tuned 38% dispatch, 41% combine at EP 2.
 # EP 8 and DeepEP at EP 4/8 are not measured: the nearest measured figure is used.
 EFFICIENCY = {
     ("all_to_all", 2): (0.44, 0.44), ("all_to_all", 4): (0.55, 0.55),
@@ -85,7 +88,7 @@ EFFICIENCY = {
 FIT_SHARE = 0.9
 NETWORK_EFFICIENCY = 0.8  # ASSUMED (not measured here): NCCL all-to-all over InfiniBand
 # Measured compute rate for the estimated step: ours eager, 30b-a3b-8l at EP = 1 on one H200, 228.5
-# TFLOP/s (worklogs/2026-11-23-one-gpu-step.md), i.e. 23.1% of the peak; the same share for other GPUs.
+# TFLOP/s, i.e. 23.1% of the peak; the same share for other GPUs.
 MEASURED_MFU = 228.5 / 989.0
 
 
@@ -132,10 +135,16 @@ class Shape:
     def params(self) -> int:
         return 2 * self.vocab * self.dim + self.n_layers * self.layer_params + self.dim
 
-    def flops_per_token(self, seq: int) -> float:
-        """Training FLOPs per token as the trainer counts them (args.get_nparams_and_flops)."""
-        active = self.params - self.vocab * self.dim - self.n_layers * self.expert_params * (1 - self.top_k / self.experts)
-        return 6 * active + 12 * self.n_layers * self.n_heads * self.head_dim * seq
+    @property
+    def active_params(self) -> int:
+        """Parameters a token meets, without the input embedding: the experts' top_k / experts share."""
+        return (self.params - self.vocab * self.dim
+                - self.n_layers * self.expert_params * (self.experts - self.top_k) // self.experts)
+
+    def flops_per_token(self, seq: int, causal: bool = False) -> float:
+        """Training FLOPs per token as the trainer counts them (args.get_nparams_and_flops), or the causal count
+        (components/flops.py)."""
+        return flops_per_token(self.active_params, self.n_layers, self.n_heads, self.head_dim, seq, causal)
 
 
 @dataclass(frozen=True)
@@ -144,8 +153,8 @@ class Layout:
     gpus_per_node: int
     ep: int
     replicate: int  # HSDP replicas (1: FSDP over every GPU)
-    ac: str  # "none" or "full"
-    dispatcher: str = "local"  # local (EP 1), all_to_all, deepep (EP 2, 4, 8 inside a node)
+    ac: str  # "none", "full", or "selective" (op-level: the breakdown's estimate)
+    dispatcher: str = "local"  # one of dispatchers(ep, gpus_per_node)
 
     @property
     def world(self) -> int:
@@ -170,6 +179,8 @@ class Run:
     moments_bytes: int = 8  # both AdamW moments per parameter: 8 (fp32) or 4 (bf16)
     buffers: str = "exact"  # [dispatch] buffers
     expert_grad_bytes: int = 4  # experts outside FSDP2: fp32 gradients (4) or kept on the working copies (2)
+    expert_copies: bool = True  # experts outside FSDP2 keep bf16 working copies (False: a candidate, cast per use)
+    keep_exchanges: bool = True  # a recompute replays its forward's exchanges (False: a candidate, exchanges again)
 
     @property
     def tokens(self) -> int:
@@ -223,46 +234,101 @@ class Memory:
         return {**parts, "total": self.total / GIB}
 
 
-def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
+# Where each term goes in Memory: the parts `memory_items` names its terms by.
+PARTS = ("params", "grads", "optimizer", "compute_copies", "activations", "loss", "dispatch", "staging", "reuse")
+
+
+def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str, float]]:
+    """Every term of one GPU's memory: (Memory part, what it is, bytes); `memory` sums them by part."""
     T, D, V, K = run.tokens, shape.dim, shape.vocab, shape.top_k
+    L, ep = shape.n_layers, layout.ep
     one_process = layout.world == 1
-    local = shape.params / layout.shard  # FSDP/HSDP shard every parameter; EP x efsdp = shard for experts
+    # FSDP/HSDP shard every parameter; EP x efsdp = shard for the experts.
+    experts_local = L * shape.expert_params / layout.shard
+    dense_local = (shape.params - L * shape.expert_params) / layout.shard
     # The experts' FSDP group (efsdp, and the replicas under HSDP) has one rank: they stay outside FSDP2.
-    outside = not one_process and layout.replicate * (layout.shard // layout.ep) == 1
-    block = shape.attention_params + 2 * D + (0 if outside else shape.expert_params / layout.ep)  # unsharded
+    outside = not one_process and layout.replicate * (layout.shard // ep) == 1
+    grad_bytes = run.expert_grad_bytes if outside else 4
+    items = [
+        ("params", "weights, dense (fp32)", 4 * dense_local),
+        ("params", "weights, experts (fp32)", 4 * experts_local),
+        ("grads", "gradients, dense (fp32)", 4 * dense_local),
+        ("grads", f"gradients, experts ({'bf16' if grad_bytes == 2 else 'fp32'})", grad_bytes * experts_local),
+        ("optimizer", f"AdamW moments, dense ({'bf16' if run.moments_bytes == 4 else 'fp32'})",
+         run.moments_bytes * dense_local),
+        ("optimizer", f"AdamW moments, experts ({'bf16' if run.moments_bytes == 4 else 'fp32'})",
+         run.moments_bytes * experts_local),
+    ]
+    block = shape.attention_params + 2 * D + (0 if outside else shape.expert_params / ep)  # unsharded
+    staging = 0.0
     if one_process:  # autocast's bf16 copies of every matrix but the embedding and the fp32 router
-        copies = 2 * (shape.params - shape.vocab * D - shape.n_layers * (shape.experts * D + 2 * D) - D)
-        staging = 0.0
+        items.append(("compute_copies", "autocast's bf16 copies of the matrices",
+                      2 * (shape.params - shape.vocab * D - L * (shape.experts * D + 2 * D) - D)))
     else:  # two unsharded blocks in flight (the router all-gathered in fp32), the output layer kept
-        copies = 2 * (2 * block + 4 * shape.experts * D) + 2 * V * D
+        items.append(("compute_copies", "two unsharded blocks in flight (bf16; the router fp32)",
+                      2 * (2 * block + 4 * shape.experts * D)))
+        items.append(("compute_copies", "the output layer, unsharded (bf16)", 2 * V * D))
         staging = 2 * (2 + 4) * block  # bf16 gradients + their fp32 reduce-scatter input, two blocks
-        if outside:  # the bf16 working copies of every layer's experts, and one bf16 weight gradient (w13)
-            w13 = 2 * (shape.experts // layout.ep) * 2 * shape.inter * D  # before its fp32 copy (none if kept)
-            copies = copies + 2 * shape.n_layers * shape.expert_params / layout.ep
-            staging = staging + (w13 if run.expert_grad_bytes == 4 else 0)
-    ep = layout.ep
+        items.append(("staging", "FSDP2's reduce-scatter staging, two blocks (bf16 + fp32)", staging))
+        if outside:
+            if run.expert_copies:
+                items.append(("compute_copies", "experts' bf16 working copies, every layer",
+                              2 * L * shape.expert_params / ep))
+            else:  # a candidate: each layer's experts cast when used, forward and backward
+                items.append(("compute_copies", "experts cast to bf16 per use, one layer", 2 * shape.expert_params / ep))
+            if run.expert_grad_bytes == 4:  # one bf16 weight gradient (w13) before its fp32 copy
+                w13 = 2 * (shape.experts // ep) * 2 * shape.inter * D
+                items.append(("staging", "experts' w13 bf16 gradient before its fp32 copy", w13))
+                staging += w13
     received = T * ranks_per_token(shape, ep) if ep > 1 else 0.0  # rows per (token, rank), per rank
     slots = T * K
     if ep > 1 and run.buffers == "worst_case":  # every token of every rank may bring min(K, E_local) slots
         slots = ep * T * min(K, shape.experts // ep)
         received = ep * T
     per_layer = activation_bytes_per_token(shape, one_process, slots / T) * T
-    if layout.ac == "full":  # block inputs kept, one block recomputed at a time; exchanges kept for the replay
-        s = 4 if one_process else 2
-        acts = shape.n_layers * (s * D * T + 2 * D * received) + per_layer
-    else:
-        acts = shape.n_layers * per_layer
+    s = 4 if one_process else 2
+    # A recomputed block replays its exchanges (dispatch/replay.py): each forward keeps the rows and metadata
+    # it received ([R, D] bf16, [R, 2K] fp32) and the rows its combine received back (as many, [R, D] bf16).
+    kept = (2 * D + 8 * K + 2 * D) * received if run.keep_exchanges else 0.0
+    if layout.ac == "none":
+        items.append(("activations", "every layer's activations", L * per_layer))
+    elif layout.ac == "full":
+        items.append(("activations", "block inputs", L * s * D * T))
+        items.append(("activations", "exchanges kept for the recompute", L * kept))
+        items.append(("activations", "one block recomputed", per_layer))
+    else:  # selective: what parallelize's op list saves (an estimate: not measured)
+        items.append(("activations", "op outputs saved (selective: the op list's)",
+                      L * sac_bytes_per_token(shape, one_process, slots / T) * T))
+        items.append(("activations", "exchanges kept for the recompute", L * kept))
+        items.append(("activations", "one block recomputed", per_layer))
     logits = 2 * T * V  # bf16, overwritten by their gradient, freed at the end of the forward
-    loss = logits + 2 * V * D + 2 * T * D  # + d weight, d h (bf16), kept for the backward
-    dispatch = 2 * 2 * D * received  # one layer's send and receive rows (bf16) at a time
+    items.append(("loss", "the loss: logits (bf16), d weight, d h", logits + 2 * V * D + 2 * T * D))
+    items.append(("dispatch", "one layer's send and receive rows (bf16)", 2 * 2 * D * received))
     # The backward's first large allocations on the compute stream: one process, the gradients; FSDP2,
     # its staging, and the fp32 gradients of experts outside it (their op makes them on that stream).
-    expert_grads = run.expert_grad_bytes * shape.n_layers * shape.expert_params / layout.ep if outside else 0.0
-    on_compute = 4 * local if one_process else staging + expert_grads
-    reuse = -min(logits, on_compute)
-    grads = 4 * local - ((4 - run.expert_grad_bytes) * shape.n_layers * shape.expert_params / layout.ep if outside else 0)
-    return Memory(params=4 * local, grads=grads, optimizer=run.moments_bytes * local, compute_copies=copies,
-                  activations=acts, loss=loss, dispatch=dispatch, staging=staging, reuse=reuse)
+    expert_grads = run.expert_grad_bytes * L * shape.expert_params / ep if outside else 0.0
+    on_compute = 4 * (dense_local + experts_local) if one_process else staging + expert_grads
+    items.append(("reuse", "the backward's first allocations in the logits' freed segment", -min(logits, on_compute)))
+    return items
+
+
+def sac_bytes_per_token(shape: Shape, one_process: bool, slots: float) -> float:
+    """Bytes a layer keeps per token under selective (op) checkpointing: the outputs of the ops
+    parallelize._SAC_SAVE_LIST names, every second mm among them (torchtitan's policy): q and v (wq, wv; not
+    wk, wo), the gate's logits (fp32), attention's output and log-sum-exp, both grouped GEMMs' outputs, and
+    the block input. An estimate from the op list, not a measurement."""
+    D, q, kv = shape.dim, shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim
+    s = 4 if one_process else 2
+    attention = s * D + 2 * q + 2 * kv + 2 * q + 4 * shape.n_heads
+    experts = slots * 2 * (2 * shape.inter + D)  # [a | b] and the w2 output, bf16
+    return attention + 4 * shape.experts + experts
+
+
+def memory(shape: Shape, layout: Layout, run: Run) -> Memory:
+    parts = dict.fromkeys(PARTS, 0.0)
+    for part, _, size in memory_items(shape, layout, run):
+        parts[part] += size
+    return Memory(**parts)
 
 
 @dataclass
@@ -328,9 +394,10 @@ def step_seconds(shape: Shape, layout: Layout, run: Run, gpu: Gpu, accum: int = 
 
 
 def dispatchers(ep: int, gpus_per_node: int) -> list[str]:
-    if ep == 1:
-        return ["local"]
-    return ["all_to_all", "deepep"] if ep in (2, 4, 8) and ep <= gpus_per_node else ["all_to_all"]
+    """The dispatchers that take a bf16 run at this EP (dispatch/registry.py) and whose exchange is modelled
+    here: measured (EFFICIENCY), or none at EP = 1."""
+    run = registry.Run(ep, procs_per_node=gpus_per_node)
+    return [e.name for e in registry.usable(run) if ep == 1 or any(d == e.name for d, _ in EFFICIENCY)]
 
 
 def layouts(nodes: int, gpus_per_node: int, experts: int) -> list[Layout]:
@@ -438,7 +505,15 @@ def parse(argv: list[str]):
 
 
 def report(argv: list[str]) -> str:
+    argv = list(argv)
+    breakdown = "--breakdown" in argv
+    if breakdown:
+        argv.remove("--breakdown")
     config, shape, run, nodes, per_node, gpu, accum = parse(argv)
+    if breakdown:
+        from torchtitan_moe.tools import plan_memory
+
+        return plan_memory.render(shape, plan_memory.config_layout(config, nodes, per_node), run, gpu)
     rows = plan(shape, run, nodes, per_node, gpu, accum)
     best = recommend(rows, gpu)
     world = nodes * per_node

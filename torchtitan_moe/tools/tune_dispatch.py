@@ -35,16 +35,12 @@ import torch.distributed as dist
 from torch import nn
 
 from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.dispatch import registry
 from torchtitan_moe.parallel import tuned
-from torchtitan_moe.dispatch.all_gather import EP_SIZES as ALL_GATHER_EP_SIZES, AllGatherDispatcher, build_transport
-from torchtitan_moe.dispatch.all_to_all import AllToAllDispatcher
-from torchtitan_moe.dispatch.deepep import DeepEPDispatcher
 from torchtitan_moe.dispatch.deepep_backend import (
     DEEPEP_COMMIT,
-    EP_SIZES,
     DeepEPSettings,
     DeepEPUnavailable,
-    DeepEPV1,
     default_settings,
     import_deep_ep,
     release_buffers,
@@ -149,8 +145,8 @@ def build_layer(model_args, ep: int, rank: int, device: torch.device) -> MoE:
     torch.manual_seed(0)
     with torch.device(device):
         # It times the exchange: no balance loss (its counts need the data-parallel group) or bias update.
-        layer = MoE(replace(model_args.moe, bias_update_rate=0.0, balance_loss="none", balance_loss_coeff=0.0),
-                    model_args.dim)
+        router = replace(model_args.moe.router, bias_update_rate=0.0, balance_loss="none", balance_loss_coeff=0.0)
+        layer = MoE(replace(model_args.moe, router=router), model_args.dim)
         layer.init_weights(out_std=0.02, buffer_device=device)
     local = layer.num_experts // ep
     mine = slice(rank * local, (rank + 1) * local)
@@ -161,15 +157,15 @@ def build_layer(model_args, ep: int, rank: int, device: torch.device) -> MoE:
 
 
 class Sweep:
-    def __init__(self, layer: MoE, x: torch.Tensor, group, args, progress: Progress):
-        self.layer, self.x, self.group, self.args, self.progress = layer, x, group, args, progress
+    def __init__(self, layer: MoE, x: torch.Tensor, group, run: registry.Run, args, progress: Progress):
+        self.layer, self.x, self.group, self.run, self.args, self.progress = layer, x, group, run, args, progress
         self.grad = torch.randn_like(x)
         with torch.no_grad():
             r = layer.router(x)
         self.routing = Routing(r.probs.detach().requires_grad_(), r.experts, r.tokens_per_expert, r.scores, None)
         self.kernels, self.align = layer.dispatch_settings(x.device)
         self.rows: list[dict] = []  # every measurement
-        self.transport = None  # the all-gather dispatcher's, made on first use
+        self.builders: dict = {}  # the fixed dispatchers' (what they share, e.g. a transport, made once)
 
     def _time(self, fn, label: str) -> float:
         ms = timed_ms(fn, self.group, self.args.warmup, self.args.iters)
@@ -197,21 +193,19 @@ class Sweep:
     def layer_ms(self, dispatcher, label: str) -> float:
         return self._time(self.layer_step(dispatcher), label)
 
-    def all_to_all_dispatcher(self) -> AllToAllDispatcher:
-        return AllToAllDispatcher(self.layer.num_experts, self.group, align=self.align, kernels=self.kernels)
-
-    def all_gather_dispatcher(self) -> AllGatherDispatcher:
-        if self.transport is None:
-            self.transport = build_transport(self.group, self.x.device)
-        return AllGatherDispatcher(self.layer.num_experts, self.transport, align=self.align, kernels=self.kernels)
-
-    def deepep_dispatcher(self, settings: DeepEPSettings) -> DeepEPDispatcher:
-        backend = DeepEPV1(self.group, settings, self.x.shape[1])
-        return DeepEPDispatcher(self.layer.num_experts, backend, self.align, self.kernels)
+    def dispatcher(self, name: str, settings: DeepEPSettings | None = None):
+        """A dispatcher of the registry for this layer; a tuned one (deepep) anew for `settings` (its buffer)."""
+        entry = registry.get(name)
+        if entry.tuned:
+            return entry.builder(self.run, self.group, self.x.device, settings, self.x.shape[1])(
+                self.layer.num_experts, self.align, self.kernels)
+        if name not in self.builders:
+            self.builders[name] = entry.builder(self.run, self.group, self.x.device, hidden=self.x.shape[1])
+        return self.builders[name](self.layer.num_experts, self.align, self.kernels)
 
     def fixed(self, name: str) -> dict:
-        """(a) and (b) of a dispatcher with nothing to tune: all_to_all, all_gather."""
-        d = self.all_to_all_dispatcher() if name == "all_to_all" else self.all_gather_dispatcher()
+        """(a) and (b) of a dispatcher with nothing to tune (all_to_all, all_gather)."""
+        d = self.dispatcher(name)
         row = {"dispatcher": name, "dispatch_combine_ms": self.dispatch_combine_ms(d, f"{name} (a)"),
                "layer_ms": self.layer_ms(d, f"{name} (b)")}
         self.rows.append(row)
@@ -223,7 +217,7 @@ class Sweep:
         base = default_settings(dist.get_world_size(self.group), num_sms)
 
         def measure(settings: DeepEPSettings, what: str) -> float:
-            ms = self.dispatch_combine_ms(self.deepep_dispatcher(settings), f"deepep {num_sms} SMs, {what}")
+            ms = self.dispatch_combine_ms(self.dispatcher("deepep", settings), f"deepep {num_sms} SMs, {what}")
             self.rows.append({"dispatcher": "deepep", **settings.__dict__, "dispatch_combine_ms": ms})
             return ms
 
@@ -234,17 +228,15 @@ class Sweep:
         timings = {c: measure(replace(best, combine_chunk=c), f"combine chunk {c}") for c in chunks}
         best = replace(best, combine_chunk=min(timings, key=timings.get))
         row = {"dispatcher": "deepep", "settings": best, "dispatch_combine_ms": timings[best.combine_chunk],
-               "layer_ms": self.layer_ms(self.deepep_dispatcher(best), f"deepep {num_sms} SMs (b)")}
+               "layer_ms": self.layer_ms(self.dispatcher("deepep", best), f"deepep {num_sms} SMs (b)")}
         self.rows.append({**{k: v for k, v in row.items() if k != "settings"}, **best.__dict__})
         return row
 
-    def head_to_head(self, best: DeepEPSettings, all_gather: bool) -> dict[str, float]:
-        """(b) of all_to_all, all_gather (if asked) and DeepEP with `best`, their runs taken in turn."""
+    def head_to_head(self, names: list[str], best: DeepEPSettings) -> dict[str, float]:
+        """(b) of the dispatchers `names`, deepep with `best`, their runs taken in turn."""
         release_buffers(self.group)  # `best` may have another num_sms than the last buffer
-        steps = {"all_to_all": self.layer_step(self.all_to_all_dispatcher()),
-                 "deepep": self.layer_step(self.deepep_dispatcher(best))}
-        if all_gather:
-            steps["all_gather"] = self.layer_step(self.all_gather_dispatcher())
+        steps = {name: self.layer_step(self.dispatcher(name, best if registry.get(name).tuned else None))
+                 for name in names}
         ms = timed_interleaved(steps, self.group, self.args.warmup, self.args.iters)
         self.rows.append({"dispatcher": "head to head", **{f"{name}_layer_ms": v for name, v in ms.items()}})
         self.progress.step(f"{', '.join(steps)} (b), in turn")
@@ -252,11 +244,11 @@ class Sweep:
 
 
 def report(shape: tuned.Shape, fixed: dict[str, dict], deepep: list[dict], best: dict, final: dict[str, float],
-           path: str) -> str:
-    a2a = fixed["all_to_all"]
+           path: str, base: str) -> str:
+    a2a = fixed[base]
     lines = [f"dispatch tuning: {shape.describe()}, bf16",
              "(a) dispatch + combine, forward + backward, through the dispatcher; (b) MoE layer forward + backward",
-             "| dispatcher | num_sms | dispatch chunk | combine chunk | (a) ms | (b) ms | (b) all_to_all / this |",
+             f"| dispatcher | num_sms | dispatch chunk | combine chunk | (a) ms | (b) ms | (b) {base} / this |",
              "|---|---|---|---|---|---|---|"]
     for name, row in fixed.items():
         lines.append(f"| {name} | - | - | - | {row['dispatch_combine_ms']:.3f} | {row['layer_ms']:.3f} | "
@@ -277,8 +269,11 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
     from torchtitan_moe.models.qwen3_moe import flavor_args
 
     ep = int(os.environ.get("WORLD_SIZE", "1"))
-    if ep not in EP_SIZES:
-        raise ConfigError(f"tune_dispatch: {ep} processes; run one per GPU, 2, 4 or 8 "
+    # Timed as training runs: bf16, one dispatch per forward.
+    run = registry.Run(ep, gpus=torch.cuda.is_available())
+    problem = registry.get("deepep").problem(run)
+    if problem:
+        raise ConfigError(f"tune_dispatch tunes DeepEP, which {problem}: run one process per GPU "
                           "(torchrun --standalone --nproc_per_node N -m torchtitan_moe.tools.tune_dispatch CONFIG)")
     import_deep_ep()
     config = load_job_config(["--job.config_file", args.config, *overrides, "--dispatch.backend", "auto",
@@ -306,16 +301,18 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
                               f"the GPU's {device_sms} SMs")
         per_sms = len(set(args.dispatch_chunks) | {default_settings(ep).dispatch_chunk}) + \
             len(set(args.combine_chunks) | {default_settings(ep).combine_chunk}) + 1
-        all_gather = ep in ALL_GATHER_EP_SIZES
-        progress = Progress(3 + 2 * all_gather + len(num_sms) * per_sms, enabled=rank == 0)
+        # Every dispatcher that takes this run: those with nothing to tune timed once, DeepEP per setting.
+        names = [e.name for e in registry.usable(run)]
+        untuned = [name for name in names if not registry.get(name).tuned]
+        progress = Progress(1 + 2 * len(untuned) + len(num_sms) * per_sms, enabled=rank == 0)
         torch.manual_seed(1000 + rank)  # other tokens on every rank
         x = torch.randn(tokens, model_args.dim, device=device, dtype=torch.bfloat16)
-        sweep = Sweep(layer, x, group, args, progress)
+        sweep = Sweep(layer, x, group, run, args, progress)
 
-        fixed = {name: sweep.fixed(name) for name in ("all_to_all", "all_gather")[:1 + all_gather]}
+        fixed = {name: sweep.fixed(name) for name in untuned}
         deepep = [sweep.deepep(n) for n in num_sms]
         best = min(deepep, key=lambda row: row["layer_ms"])
-        final = sweep.head_to_head(best["settings"], all_gather)
+        final = sweep.head_to_head(names, best["settings"])
         path = args.out or config.dispatch.tuned_file or "tuned_dispatch.json"
         if rank == 0:
             try:
@@ -330,7 +327,7 @@ def tune(args: argparse.Namespace, overrides: list[str]) -> int:
                 extra={"deep_ep_version": version, "deep_ep_pinned": DEEPEP_COMMIT, "torch": torch.__version__,
                        "date": datetime.date.today().isoformat()})
             tuned.save(path, entry)
-            print(report(shape, fixed, deepep, best, final, path), flush=True)
+            print(report(shape, fixed, deepep, best, final, path, registry.default(run).name), flush=True)
             if args.json:
                 with open(args.json, "w") as f:
                     json.dump({"shape": shape.__dict__, "entry": entry.to_json(), "rows": sweep.rows}, f, indent=1,

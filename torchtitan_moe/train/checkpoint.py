@@ -18,10 +18,12 @@ another architecture (flavor, experts, inter_dim, ...), a data position of anoth
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,7 @@ import torch
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.models.qwen3_moe.args import FLAVORS, Qwen3MoEArgs
 from torchtitan_moe.models.qwen3_moe.state_dict_adapter import args_from_hf_config, arch_differences, hf_config
-from torchtitan_moe.moe.layer import MoEArgs
+from torchtitan_moe.moe.options import MoEArgs, RouterOptions
 from torchtitan_moe.compat.torchtitan import logger
 
 TRAINING_STATE_PREFIXES = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
@@ -125,6 +127,32 @@ def check_data_files(path: str, metadata) -> None:
             raise CheckpointError(f"{file} {what}; nothing was changed on disk; {_resume_hint(path)}")
 
 
+def check_checksums(path: str, split_over_ranks: bool = False, warn_if_absent: bool = True) -> None:
+    """The step's data files against the checksums.json written with them (train/checksums.py); one line
+    naming the first bad file and the newest good step. `split_over_ranks`: every rank of the initialized
+    process group calls this, and each hashes its share of the chunks. A step saved without checksums is
+    let through, with a warning unless `warn_if_absent` is false."""
+    import torch.distributed as dist
+
+    from torchtitan_moe.train.checksums import CHECKSUMS_FILE, checksum_problem, read_manifest
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if split_over_ranks else (0, 1)
+    try:
+        if read_manifest(path) is None:
+            if warn_if_absent:
+                logger.warning(f"{path} has no {CHECKSUMS_FILE} (saved before checksums were written): not verified")
+            return
+        problem = checksum_problem(path, rank, world)
+    except ValueError as e:
+        problem = str(e)
+    if world > 1:
+        problems = [None] * world
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointError(f"{problem}; nothing was changed on disk; {_resume_hint(path)}")
+
+
 def _resume_hint(step_path: str) -> str:
     """How to go on from a step folder that cannot be read: the newest readable full step before it."""
     match = _STEP_FOLDER.fullmatch(os.path.basename(os.path.normpath(step_path)))
@@ -197,8 +225,11 @@ def shape_mismatch(saved: dict[str, tuple[int, ...]], args: Qwen3MoEArgs) -> str
     return None
 
 
-def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: int) -> PlannedLoad | None:
-    """Refuse (CheckpointError, one line) a checkpoint that cannot resume or start this run."""
+def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: int | None,
+                             split_over_ranks: bool = False) -> PlannedLoad | None:
+    """Refuse (CheckpointError, one line) a checkpoint that cannot resume or start this run. `dp_degree`: the
+    run's data-parallel ranks (None: unknown, not checked); `split_over_ranks`: called by every rank of the run,
+    which share the hashing of its checksums."""
     plan = planned_load(job_config.checkpoint, job_config.job.dump_folder, job_config.model.hf_assets_path)
     if plan is None:
         return None
@@ -215,6 +246,7 @@ def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: in
             "(in a new --job.dump_folder)")
     metadata = read_dcp_metadata(plan.path)
     check_data_files(plan.path, metadata)
+    check_checksums(plan.path, split_over_ranks)
     keys = metadata.state_dict_metadata
     mismatch = shape_mismatch(model_shapes(metadata), model_args)
     if mismatch:
@@ -234,7 +266,7 @@ def check_checkpoint_to_load(job_config, model_args: Qwen3MoEArgs, dp_degree: in
             f"(in a new --job.dump_folder){also}")
     excluded = set(job_config.checkpoint.exclude_from_loading)
     saved_dp = len([k for k in keys if _DP_RANK_KEY.fullmatch(k)])
-    if "dataloader" not in excluded and saved_dp and saved_dp != dp_degree:
+    if "dataloader" not in excluded and saved_dp and dp_degree is not None and saved_dp != dp_degree:
         raise CheckpointError(
             f"{plan.path} holds the data positions of {saved_dp} data-parallel ranks and this run has {dp_degree}: "
             "they cannot be carried over; add --checkpoint.exclude_from_loading dataloader to resume model, "
@@ -250,6 +282,7 @@ def _newest_full_step_before(folder: str, step: int | None) -> int | None:
             try:
                 metadata = read_dcp_metadata(path)
                 check_data_files(path, metadata)
+                check_checksums(path, warn_if_absent=False)
             except CheckpointError:
                 continue  # unreadable too: look further back
             if "train_state.step" in metadata.state_dict_metadata:
@@ -261,8 +294,8 @@ def _check_hf(plan: PlannedLoad, model_args: Qwen3MoEArgs) -> None:
     config_path = os.path.join(plan.path, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{plan.path}: no config.json (a Hugging Face Qwen3-MoE folder has one)")
-    with open(config_path) as f:
-        hf_args = args_from_hf_config(json.load(f), config_path)
+    hf_args = args_from_hf_config(read_json(config_path, CheckpointError), config_path)
+    check_safetensors(plan.path, CheckpointError)
     mismatch = shape_mismatch(expected_shapes(hf_args), model_args)
     if mismatch:
         raise CheckpointError(f"{plan.path} does not fit this run: {mismatch}")
@@ -271,6 +304,60 @@ def _check_hf(plan: PlannedLoad, model_args: Qwen3MoEArgs) -> None:
     if other:
         logger.warning(f"{plan.path}: the Hugging Face model differs from this run in {'; '.join(other)} "
                        "(Hugging Face vs this run): its weights are loaded as they are")
+
+
+@contextlib.contextmanager
+def saving(folder: str, step: int):
+    """A save of `step` into `folder` that fails while writing (a full disk, a lost mount) raises one line:
+    the first rank's error, and the space left on the disk. The step folder it leaves has no .metadata
+    (DCP writes it last), so a resume skips it."""
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    try:
+        yield
+    except (Exception, CheckpointException) as e:
+        failures = getattr(e, "failures", None)  # DCP's CheckpointException: rank -> (exception, traceback)
+        cause = e
+        if isinstance(failures, dict) and failures:
+            first = failures[min(failures)]
+            cause = first[0] if isinstance(first, tuple) else first
+        if not isinstance(cause, (OSError, RuntimeError)):
+            raise
+        reason = " ".join(str(cause).split())[:300]
+        try:
+            free = f"{shutil.disk_usage(folder).free / 2**30:,.2f} GiB free on its disk"
+        except OSError:
+            free = "its disk cannot be read"
+        raise CheckpointError(f"saving step {step} into {folder} failed ({type(cause).__name__}: {reason}); "
+                              f"{free}; the step folder left has no .metadata, so a resume skips it") from None
+
+
+def read_json(path: str, error: type[Exception]) -> dict:
+    """A JSON object from `path`, or `error` in one line naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise error(f"{path} cannot be read as JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(value, dict):
+        raise error(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def check_safetensors(folder: str, error: type[Exception]) -> None:
+    """Every *.safetensors file of a Hugging Face folder has a readable header and all the bytes it announces
+    (a copy cut short fails here, in one line naming the file, instead of deep inside the load)."""
+    import glob
+
+    from safetensors import safe_open
+
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        except Exception as e:  # safetensors raises its own SafetensorError (and OSError)
+            raise error(f"{path} is not a readable safetensors file ({type(e).__name__}: {e}); nothing was "
+                        "changed on disk") from None
 
 
 # ---------------------------------------------------------------------------------------
@@ -297,14 +384,34 @@ def read_model_args(folder: str) -> Qwen3MoEArgs | None:
         with open(path) as f:
             saved = json.load(f)
         moe = saved.pop("moe", {})
-        known = {f.name for f in dataclasses.fields(Qwen3MoEArgs)}
-        args = Qwen3MoEArgs(**{k: v for k, v in saved.items() if k in known})
-        moe_known = {f.name for f in dataclasses.fields(MoEArgs)}
-        args.moe = MoEArgs(**{k: v for k, v in moe.items() if k in moe_known})
+        args = Qwen3MoEArgs(**_known(Qwen3MoEArgs, saved))
+        args.moe = _moe_args(moe)
     except (ValueError, TypeError, AttributeError) as e:  # not JSON, or not a table of the model's args
         raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e}); nothing was changed on disk; "
                               f"{_resume_hint(folder)}") from None
     return args
+
+
+def _known(cls: type, saved: dict) -> dict:
+    """The keys of `saved` that `cls` has (a file of another version may hold others; missing ones default)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in saved.items() if k in names}
+
+
+def _moe_args(saved: dict) -> MoEArgs:
+    """MoEArgs of model_args.json's "moe" table. Files written before the router had its own settings hold
+    them flat in that table, the gate's init std as router_init_std and its dtype as router_gate_dtype."""
+    saved = dict(saved)
+    router = saved.pop("router", None)
+    if router is None:  # the flat layout
+        router = {k: v for k, v in saved.items() if k in {f.name for f in dataclasses.fields(RouterOptions)}}
+        if "router_init_std" in saved:
+            router["init_std"] = saved["router_init_std"]
+        gate_dtype = saved.get("router_gate_dtype", "float32")
+        router["gate_precision"] = "float32" if gate_dtype == "float32" else "param"
+        if gate_dtype != "float32":
+            saved["param_dtype"] = gate_dtype
+    return MoEArgs(**{**_known(MoEArgs, saved), "router": RouterOptions(**_known(RouterOptions, router))})
 
 
 def record_model_args(checkpointer, model_args: Qwen3MoEArgs, export_dtype: torch.dtype) -> None:

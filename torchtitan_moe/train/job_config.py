@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
+from torchtitan_moe.components.data import check_data
 from torchtitan_moe.config.sections import ConfigError, check_semantics
 from torchtitan_moe.config.structure import check_cli_keys, check_structure
 from torchtitan_moe.config.torchtitan_keys import check_tokenizer_file, check_torchtitan_keys
@@ -37,11 +38,20 @@ def cli_value(argv: list[str], key: str) -> str | None:
 def read_toml(path: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--job.config_file {path}: no such file")
-    with open(path, "rb") as f:
-        try:
-            return tomllib.load(f)
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"--job.config_file {path}: cannot be read ({e.strerror})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x}): a TOML file must be UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from None
 
 
 def with_custom_config_module(argv: list[str], toml_values: dict) -> list[str]:
@@ -74,6 +84,7 @@ def load_job_config(argv: list[str] | None = None, world_size: int | None = None
     check_torchtitan_keys(config, world_size)
     if config.data.tokenizer != "bytes":
         check_tokenizer_file(config.data.tokenizer)
+    check_data(config, FLAVORS[config.model.flavor].vocab_size)  # every shard's header, before launch
     return config
 
 

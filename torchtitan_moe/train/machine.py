@@ -12,8 +12,9 @@ from torchtitan_moe.config.sections import ConfigError
 
 def check_machine(config, nproc_per_node: int | None = None) -> None:
     """What the config asks of this machine, refused in one line before training starts."""
+    from torchtitan_moe.config.sections import dispatch_refusal, dispatch_run, dispatch_unavailable
+    from torchtitan_moe.dispatch import registry
     from torchtitan_moe.parallel import tuned
-    from torchtitan_moe.dispatch.deepep_backend import DeepEPUnavailable, import_deep_ep
 
     ours = config.model.name == "qwen3_moe"
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
@@ -24,15 +25,16 @@ def check_machine(config, nproc_per_node: int | None = None) -> None:
         return
     if config.dispatch.tuned_file:
         tuned.load_named(config.dispatch.tuned_file)  # missing, or not parsing: refused here
-    ep = config.parallelism.expert_parallel_degree
-    if config.dispatch.backend == "deepep":
-        # EP groups are runs of EP consecutive ranks (the innermost mesh dimension, under HSDP too):
-        # each stays in one node exactly when EP divides the processes per node.
-        if nproc_per_node is not None and nproc_per_node % ep != 0:
-            raise ConfigError(f"[parallelism] expert_parallel_degree = {ep} with [dispatch] backend = 'deepep': EP "
-                              f"would span nodes ({nproc_per_node} processes per node) and DeepEP's kernels are "
-                              "intranode; use backend = 'all_to_all' there, or an EP that divides the GPUs of a node")
-        try:
-            import_deep_ep()
-        except DeepEPUnavailable as e:
-            raise ConfigError(f"[dispatch] backend = 'deepep': {e}") from None
+    backend = config.dispatch.backend
+    if backend == "auto":
+        return
+    # EP groups are runs of EP consecutive ranks (the innermost mesh dimension, under HSDP too): each
+    # stays in one node exactly when EP divides the processes per node, which are known here.
+    run = dispatch_run(config, config.parallelism.expert_parallel_degree, procs_per_node=nproc_per_node)
+    refusal = dispatch_refusal(backend, run)
+    if refusal:
+        raise ConfigError(refusal)
+    missing = registry.get(backend).missing
+    why = missing() if missing is not None else None
+    if why:
+        raise ConfigError(dispatch_unavailable(backend, run, why))

@@ -6,15 +6,15 @@ micro-batch to the device with blocking copies and reads the all-reduced count b
 on an idle GPU, only a little ahead of it for the whole forward: any stall of one rank's host
 (a slow hook, the interpreter) idles its GPU and leaves the other rank's collectives spinning
 beside its GEMMs (2 H200s, EP = 2: the grouped GEMMs ran 1.8x longer beside a waiting
-all-gather; worklogs/2026-11-26-session4-h200x2.md). Here the batches go from pinned memory
+all-gather). Here the batches go from pinned memory
 with non-blocking copies and the count stays on the device, so the host queues step N + 1
 while the GPU finishes step N.
 
 A logging step reads values back too (the loss, the gradient norm, the MoE statistics), which
 drained the GPU once per log: the next step started on an idle GPU, its forward launched from a
 host with no lead (2 H200s, local batch 4, logging every 10 steps: 110-200 ms lost every 10
-steps; 78,575 tokens/s/GPU here against 69,720-71,261 in the same position before,
-worklogs/2026-11-27-session15-h200x2.md). Here a logging step launches what it reads (the reductions, copies to pinned
+steps; 78,575 tokens/s/GPU here against 69,720-71,261 in the same position before).
+Here a logging step launches what it reads (the reductions, copies to pinned
 memory behind one event) and its line is written once the next step is queued (PendingLog): the
 read waits for the logged step alone while the GPU works on the next. The line and the run's
 monitors come one step later (the last step's at once). A line's throughput counts the steps since
@@ -27,7 +27,9 @@ The same arithmetic: the loss of each micro-batch is its summed loss / the globa
 valid tokens (a device tensor here; in torchtitan's data-parallel branch a Python number, which
 CUDA's division turns into a multiplication by its reciprocal: the same for power-of-two counts,
 within one ulp otherwise), clipping, the optimizer and the scheduler as torchtitan calls them,
-and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choice).
+and its logging. Pipeline parallelism keeps torchtitan's step (the caller's choice). A step whose loss
+or gradient norm is not finite is stopped, skipped or let through as [training] on_nonfinite says
+(train/divergence.py): the verdict travels with the logged values, read back with them.
 """
 
 from __future__ import annotations
@@ -81,9 +83,10 @@ def train_step(trainer, data_iterator) -> None:
         ep_enabled=dims.ep_enabled,
     )
     trainer.checkpointer.maybe_wait_for_staging()
-    trainer.optimizers.step()
-    trainer.lr_schedulers.step()
     loss = torch.sum(torch.stack(losses))
+    if trainer.nonfinite.allows_update(trainer.step, loss, grad_norm):  # [training] on_nonfinite (train/divergence.py)
+        trainer.optimizers.step()
+        trainer.lr_schedulers.step()
     previous, trainer.pending_log = trainer.pending_log, None
     if trainer.metrics_processor.should_log(trainer.step):
         trainer.pending_log = start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tokens)
@@ -142,7 +145,7 @@ class PendingLog:
     lr: float
     ntokens_seen: int  # where no reduction over ranks counts it (else values["ntokens_seen"])
     ntokens: int  # this rank's tokens since the last logged step, the line's throughput
-    values: HostCopies  # loss, max_loss, grad_norm (+ ntokens_seen) and the metrics' StepState tensors
+    values: HostCopies  # loss, max_loss, grad_norm, nonfinite (+ ntokens_seen) and the metrics' StepState tensors
     stale_names: list[str]
     end: Mark  # the step's end, its log's reductions and copies included
 
@@ -152,9 +155,10 @@ def start_log(trainer, loss, grad_norm, lr, local_valid_tokens, global_valid_tok
     tokens seen (reduced over the loss mesh), the gradient norm and the metrics' StepState, each on its way
     to the host behind one event; nothing waits here."""
     dims = trainer.parallel_dims
-    values = {"loss": loss, "max_loss": loss, "grad_norm": grad_norm}
+    values = {"loss": loss, "max_loss": loss, "grad_norm": grad_norm, "nonfinite": trainer.nonfinite.first.clone()}
     loss_mesh = dims.get_optional_mesh("loss") if dims.dp_cp_enabled else None
     if loss_mesh is not None:
+        values["nonfinite"] = all_reduce(trainer.nonfinite.first, "min", loss_mesh)  # the earliest on any rank
         # loss = this rank's summed loss / the global count: summed over ranks, the global mean;
         # times global / local count, this rank's own mean.
         values["loss"] = all_reduce(loss, "sum", loss_mesh)
@@ -180,6 +184,8 @@ def finish_log(trainer, pending: PendingLog) -> None:
                                   float(values["grad_norm"]), extra_metrics={"n_tokens_seen": ntokens_seen,
                                                                              "lr": pending.lr},
                                   state=state, ntokens=pending.ntokens, elapsed=elapsed)
+    checkpointer = trainer.checkpointer
+    trainer.nonfinite.check(int(values["nonfinite"]), checkpointer.folder if checkpointer.enable else None)
 
 
 def flush_log(trainer) -> None:

@@ -5,6 +5,11 @@ adds what MoE training needs: the aux-loss weight per micro-batch, the router-in
 before step 1, the per-rank numbers of the training-health monitors, and MoE statistics on
 the step line; its step is torchtitan's without the host syncs (train/step.py). On a machine
 without CUDA it trains on the CPU over gloo.
+
+Nothing lost, nothing silent (docs/failures.md): the run holds its dump folder's lock (train/run_folder.py),
+saves each step with its checksums and never from NaN weights (train/checksums.py, train/divergence.py),
+stops on a non-finite loss or gradient norm as [training] on_nonfinite says, and a hang watchdog turns a
+stuck step into one line (train/watchdog.py).
 """
 
 from __future__ import annotations
@@ -17,7 +22,13 @@ import sys
 import torch
 
 from torchtitan_moe.train.machine import check_machine
-from torchtitan_moe.train.checkpoint import CheckpointError, check_checkpoint_to_load, record_model_args
+from torchtitan_moe.train.checkpoint import CheckpointError, check_checkpoint_to_load, record_model_args, saving
+from torchtitan_moe.train.checksums import ChecksummedWriter
+from torchtitan_moe.train.divergence import NonFiniteError, NonFiniteWatch, check_before_save
+from torchtitan_moe.train.divergence import EXIT_STATUS as DIVERGED
+from torchtitan_moe.train.run_folder import RunFolderLock
+from torchtitan_moe.train.watchdog import HangWatchdog
+from torchtitan_moe.components.data.check import describe_data
 from torchtitan_moe.components.checks import run_router_init_checks
 from torchtitan_moe.components.checks.monitors import gather_rank_stats, local_grad_norm
 from torchtitan_moe.config.sections import ConfigError
@@ -26,7 +37,7 @@ from torchtitan_moe.components.data import stop_workers
 from torchtitan_moe.models import qwen3_moe
 from torchtitan_moe.models.baseline import write_init_fingerprint
 from torchtitan_moe.dispatch.deepep_backend import release_buffers
-from torchtitan_moe.moe.layer import MoE
+from torchtitan_moe.moe.balance import set_aux_loss_scale
 from torchtitan_moe.components.optimizer import attach_working_copies, clip_in_optimizer, keep_expert_gradients
 from torchtitan_moe.train.step import flush_log, train_step
 from torchtitan_moe.compat.torchtitan import (
@@ -37,6 +48,7 @@ from torchtitan_moe.compat.torchtitan import (
     init_logger,
     logger,
     replace_clip_grad_norm,
+    route_checkpoint_saves,
 )
 
 
@@ -61,12 +73,25 @@ def wandb_offline_without_key(job_config) -> None:
 class MoETrainer(Trainer):
     def __init__(self, job_config):
         wandb_offline_without_key(job_config)
+        route_checkpoint_saves(ChecksummedWriter)  # every step saved with its checksums (train/checksums.py)
+        # One run writes a dump folder at a time: global rank 0 holds its lock until close().
+        self.run_lock = RunFolderLock(job_config.job.dump_folder)
+        self.watchdog: HangWatchdog | None = None
+        if int(os.environ.get("RANK", "0")) == 0:
+            self.run_lock.acquire()
+        try:
+            self._build(job_config)
+        except BaseException:
+            self.run_lock.release()
+            raise
+
+    def _build(self, job_config) -> None:
         super().__init__(job_config)
         # Each micro-batch's aux loss counts 1 / (micro-batches x data-parallel ranks) so the
         # summed gradients are those of the mean over the global batch, like the main loss.
         dims = self.parallel_dims
         batch_degree = dims.get_mesh("batch").size() if dims.dp_enabled else 1
-        MoE.aux_loss_scale = 1.0 / (self.gradient_accumulation_steps * batch_degree)
+        set_aux_loss_scale(self.model_parts, 1.0 / (self.gradient_accumulation_steps * batch_degree))
         self._local_losses: list[torch.Tensor] = []
         self.pending_log = None  # a logging step's values, read once the next step is queued (train/step.py)
         self.log_mark = None  # where the last logged step ended (train_step.mark): the next line's time starts
@@ -79,17 +104,60 @@ class MoETrainer(Trainer):
         if self.ours:  # torchtitan's baseline has no working copies
             keep_expert_gradients(job_config.optimizer.expert_grad_dtype, self.optimizers, self.model_parts,
                                   self.gradient_accumulation_steps, self.parallel_dims.pp_enabled)
+        self.nonfinite = NonFiniteWatch(job_config.training.on_nonfinite, self.device)
+        self.first_step: int | None = None  # the step this run starts from (0, or the one it resumes)
+        self.guard_saves()
+        logger.info(f"data: {describe_data(job_config)}")
+
+    def guard_saves(self) -> None:
+        """Each save: refused from NaN weights or state and after a diverged step (train/divergence.py), a
+        failure while writing (a full disk) turned into one line, progress told to the hang watchdog."""
+        save, checkpointer = self.checkpointer.save, self.checkpointer
+
+        def guarded(curr_step: int, last_step: bool = False) -> None:
+            if not checkpointer._should_save(curr_step, last_step):  # torchtitan's own test, inside its save
+                return save(curr_step, last_step)
+            check_before_save(self, curr_step)
+            self.beat(f"saving step {curr_step}")
+            with saving(checkpointer.folder, curr_step):
+                save(curr_step, last_step)
+            self.beat(f"step {curr_step} saved")
+
+        checkpointer.save = guarded
+
+    def beat(self, doing: str) -> None:
+        if self.watchdog is not None:
+            self.watchdog.beat(doing)
+
+    def hang_timeout(self) -> float:
+        """[checks] hang_timeout, or 90% of the collectives' current timeout: [comm] init_timeout_seconds until
+        torchtitan shortens it to train_timeout_seconds, after step 1 of a run that starts at step 0."""
+        setting = self.job_config.checks.hang_timeout
+        if setting >= 0:
+            return setting
+        comm = self.job_config.comm
+        shortened = self.first_step == 0 and self.step >= 2
+        return 0.9 * (comm.train_timeout_seconds if shortened else comm.init_timeout_seconds)
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.close()
         stop_workers(getattr(self, "dataloader", None))
-        super().close()
-        replace_clip_grad_norm(lambda torchtitan_clip: torchtitan_clip)  # no later trainer steps these optimizers
+        try:
+            super().close()
+        finally:
+            replace_clip_grad_norm(lambda torchtitan_clip: torchtitan_clip)  # no later trainer steps these optimizers
+            self.run_lock.release()
 
     def train(self) -> None:
         # Refuse, in one line, a checkpoint that cannot resume or start this run, before
         # torchtitan's load fails deep inside DCP (or loads what would train wrong).
+        distributed = torch.distributed.is_initialized()
         if self.ours:  # the baseline's checkpoints are torchtitan's own business
-            check_checkpoint_to_load(self.job_config, self.model_args, self.dataloader.dp_world_size)
+            check_checkpoint_to_load(self.job_config, self.model_args, self.dataloader.dp_world_size,
+                                     split_over_ranks=distributed)
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if distributed else (0, 1)
+        self.watchdog = HangWatchdog(self.job_config.job.dump_folder, rank, world, self.hang_timeout).start()
         super().train()
 
     def batch_generator(self, data_iterable):
@@ -97,6 +165,7 @@ class MoETrainer(Trainer):
         # before step 1: the only point where the weights training starts from are in place
         # without copying train(). The checks must see them (a zero-init run fails, a resumed
         # healthy run passes), so they run here.
+        self.first_step = self.step
         if self.job_config.checks.init_fingerprint and self.step == 0:
             write_init_fingerprint(self.model_parts[0], self.job_config.job.dump_folder)
         self.check_router_init()
@@ -135,6 +204,7 @@ class MoETrainer(Trainer):
         # Monitor steps also check that the experts' working copies the optimizer wrote are the new weights'
         # casts: with the step's log (components/metrics.py: step_state).
         self._local_losses = []
+        self.beat(f"step {self.step}")
         if self.parallel_dims.pp_enabled:
             super().train_step(data_iterator)
             return
@@ -226,6 +296,9 @@ def run(config) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train; a stop the run can explain is one line and an exit status (docs/failures.md): 2 a refusal
+    (config, data, checkpoint, a busy run folder), 1 the router-init checks, 3 a diverged run; a hang
+    exits with 4 from its watchdog. Every rank prints its line: under torchrun the launcher shows rank 0's."""
     init_logger()
     try:
         config = prepare(argv)
@@ -234,15 +307,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         run(config)
-    except ConfigError as e:  # found while building (e.g. a dispatcher this node cannot run)
+    except CheckpointError as e:  # before ConfigError, which it subclasses
+        print(f"checkpoint error: {e}", file=sys.stderr)
+        return 2
+    except ConfigError as e:  # found while building (a dispatcher this node cannot run, the data, the run folder)
         print(f"config error: {e}", file=sys.stderr)
         return 2
     except RouterInitError as e:
         print(e, file=sys.stderr)
         return 1
-    except CheckpointError as e:
-        # Every rank prints it: under torchrun, the first rank to exit gets the others killed.
-        print(f"checkpoint error: {e}", file=sys.stderr)
-        return 2
+    except NonFiniteError as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return DIVERGED
     return 0
 

@@ -308,7 +308,7 @@ def run_router_init_checks(model_parts: list[nn.Module], job_config, parallel_di
         weight = router.gate.weight
         weight = weight.full_tensor() if isinstance(weight, DTensor) else weight  # collective under FSDP
         s = stats[name]
-        findings += gate_findings(name, weight, router.init_std, fresh)
+        findings += gate_findings(name, weight, router.options.init_std, fresh)
         findings += load_findings(name, s["loads"], router.top_k, ep)
         findings += tie_findings(name, s["ties"], s["tokens"], s["tie_pairs"])
         findings += dtype_findings(name, *s["dtypes"])

@@ -13,6 +13,7 @@ import os
 import torch
 from torch.utils.data import IterableDataset
 
+from torchtitan_moe.components.data.check import DataError
 from torchtitan_moe.compat.torchtitan import BaseTokenizer
 
 
@@ -27,24 +28,41 @@ def list_files(path: str) -> list[str]:
         if name.endswith((".txt", ".jsonl"))
     )
     if not found:
-        raise FileNotFoundError(f"[training] dataset_path = {path!r}: no .txt or .jsonl files")
+        raise DataError(f"[training] dataset_path = {path!r}: no .txt or .jsonl files")
     return found
 
 
-def read_documents(files: list[str]) -> list[str]:
-    docs = []
+def _decode(raw: bytes, path: str, lineno: int | None = None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        lineno = lineno or raw.count(b"\n", 0, e.start) + 1
+        where = f"{path}:{lineno}"
+        raise DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x}); text data must be UTF-8") from None
+
+
+def iter_documents(files: list[str]):
+    """Each document of `files`, in order: a .txt file whole, a .jsonl file's records' 'text'."""
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".jsonl"):
-                for lineno, line in enumerate(f, 1):
-                    if line.strip():
-                        record = json.loads(line)
-                        if "text" not in record:
-                            raise ValueError(f"{path}:{lineno}: a JSONL record needs a 'text' field")
-                        docs.append(record["text"])
-            else:
-                docs.append(f.read())
-    return docs
+        with open(path, "rb") as f:
+            if not path.endswith(".jsonl"):
+                yield _decode(f.read(), path)
+                continue
+            for lineno, raw in enumerate(f, 1):
+                line = _decode(raw, path, lineno)
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{lineno}: not a JSON record ({e.msg}, column {e.colno})") from None
+                if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                    raise DataError(f"{path}:{lineno}: a JSONL record needs a 'text' field holding a string")
+                yield record["text"]
+
+
+def read_documents(files: list[str]) -> list[str]:
+    return list(iter_documents(files))
 
 
 class LocalTextDataset(IterableDataset):
@@ -54,7 +72,7 @@ class LocalTextDataset(IterableDataset):
         docs = read_documents(list_files(path))
         self.docs = docs[dp_rank::dp_world_size]
         if not self.docs:
-            raise ValueError(
+            raise DataError(
                 f"[training] dataset_path = {path!r}: {len(docs)} documents for {dp_world_size} data-parallel ranks"
             )
         self.tokenizer = tokenizer

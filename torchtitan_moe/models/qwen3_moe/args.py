@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from torch import nn
 
-from torchtitan_moe.moe.layer import MoE, MoEArgs
+from torchtitan_moe.components.flops import flops_per_token
+from torchtitan_moe.config.sections import moe_args
+from torchtitan_moe.moe.layer import MoE
+from torchtitan_moe.moe.options import MoEArgs
 from torchtitan_moe.compat.torchtitan import BaseModelArgs
 
 
@@ -22,50 +25,29 @@ class Qwen3MoEArgs(BaseModelArgs):
     rope_theta: float = 1e6
     qk_norm: bool = True
     max_seq_len: int = 4096
-    attn_type: str = "sdpa"  # the torchtitan attention we reuse reads these two
-    attn_mask_type: str = "causal"
+    attn_type: str = "sdpa"  # the torchtitan attention we reuse reads these two: "flex" and
+    attn_mask_type: str = "causal"  # "block_causal" for [data] attention = "document"
     enable_weight_tying: bool = False
     moe: MoEArgs = field(default_factory=MoEArgs)
     init_seed: int | None = None  # [debug] seed: the init draws from it alone (None: the RNG as it is)
 
     def update_from_config(self, job_config, **kwargs) -> None:
-        """Apply [moe], [router], [kernels] and the sequence length from the job config."""
+        """Apply [moe], [router], [kernels], the precision and the sequence length from the job config."""
         self.max_seq_len = job_config.training.seq_len
+        document = job_config.data.attention == "document"
+        self.attn_type, self.attn_mask_type = ("flex", "block_causal") if document else ("sdpa", "causal")
         self.init_seed = job_config.debug.seed
-        m, r = job_config.moe, job_config.router
-        moe = self.moe
-        self.moe = replace(
-            moe,
-            num_experts=m.num_experts if m.num_experts is not None else moe.num_experts,
-            top_k=m.top_k if m.top_k is not None else moe.top_k,
-            inter_dim=m.inter_dim if m.inter_dim is not None else moe.inter_dim,
-            padding=m.padding,
-            align=m.align,
-            score_func=r.score_func if r.score_func is not None else moe.score_func,
-            route_norm=r.route_norm if r.route_norm is not None else moe.route_norm,
-            route_scale=r.route_scale,
-            router_init_std=r.init_std,
-            bias_update_rate=r.bias_update_rate,
-            balance_loss=r.balance_loss,
-            balance_loss_coeff=r.balance_loss_coeff,
-            z_loss_coeff=r.z_loss_coeff,
-            n_groups=r.n_groups,
-            topk_groups=r.topk_groups,
-            force_balance=r.force_balance,
-            router_gate_dtype="float32" if r.gate_precision == "float32" else job_config.training.mixed_precision_param,
-            kernels=job_config.kernels.backend,
-        )
+        self.moe = moe_args(job_config, self.moe)
 
     def get_nparams_and_flops(self, model: nn.Module, seq_len: int) -> tuple[int, int]:
-        """Total parameters and training FLOPs per token (6 x active non-embedding params
-        + attention scores and values: 12 x layers x heads x head_dim x seq_len)."""
+        """Total parameters and training FLOPs per token in torchtitan's count (components/flops.py: 6 x active
+        non-embedding params + attention scores and values, 12 x layers x heads x head_dim x seq_len)."""
         total = sum(p.numel() for p in model.parameters())
         embedding = sum(p.numel() for p in model.tok_embeddings.parameters())
         experts = sum(p.numel() for m in model.modules() if isinstance(m, MoE) for p in m.experts.parameters())
         active_experts = experts * self.moe.top_k // self.moe.num_experts
         active = total - embedding - experts + active_experts
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return total, 6 * active + attention
+        return total, flops_per_token(active, self.n_layers, self.n_heads, self.head_dim, seq_len)
 
 
 FLAVORS: dict[str, Qwen3MoEArgs] = {

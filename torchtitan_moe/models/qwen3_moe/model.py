@@ -5,6 +5,9 @@
     TransformerBlock: h = x + attention(attention_norm(x));  out = h + moe(ffn_norm(h))
                       (`attend` is everything before the MoE)
 
+Attention is causal SDPA, or with [data] attention = "document" block-causal within each document
+(attention.py: torchtitan's flex path on a GPU, a dense mask on the CPU), the positions restarting RoPE.
+
 Module names follow torchtitan's (tok_embeddings, layers, norm, output, moe_enabled) so
 its activation checkpointing, checkpointing and metrics work unchanged.
 """
@@ -18,6 +21,7 @@ from torch import nn
 
 from torchtitan_moe import ops
 from torchtitan_moe.models.qwen3_moe.args import Qwen3MoEArgs
+from torchtitan_moe.models.qwen3_moe.attention import DocumentAttention, document_block_mask
 from torchtitan_moe.models.sharded_init import full_tensors
 from torchtitan_moe.moe.experts import autocast_dtype
 from torchtitan_moe.moe.layer import MoE, resolve_kernels
@@ -32,19 +36,25 @@ class TransformerBlock(nn.Module):
         super().__init__()
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
+        if args.attn_type == "flex":  # document masking: flex on a GPU, a dense mask on the CPU
+            self.attention.inner_attention = DocumentAttention()
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.moe = MoE(args.moe, args.dim)
         # Output projections shrink with depth so the residual stream's variance stays bounded.
         self.out_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
-        h, moe_input = self.attend(x, rope_cache)
+    def forward(self, x: torch.Tensor, rope_cache: torch.Tensor, attention_masks=None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        if attention_masks is None and self.attention.attn_type == "flex":  # a block called alone: one document a row
+            attention_masks = document_block_mask(torch.arange(x.shape[1], device=x.device).expand(x.shape[:2]))
+        h, moe_input = self.attend(x, rope_cache, attention_masks, positions)
         return h + self.moe(moe_input)
 
-    def attend(self, x: torch.Tensor, rope_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(self, x: torch.Tensor, rope_cache: torch.Tensor, attention_masks=None,
+               positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The block up to its MoE: h = x + attention(norm(x)), and the MoE's input norm(h).
         One region for torch.compile (parallelize.apply_compile)."""
-        h = x + self.attention(self.attention_norm(x), rope_cache, None)
+        h = x + self.attention(self.attention_norm(x), rope_cache, attention_masks, positions)
         return h, self.ffn_norm(h)
 
     def init_weights(self, buffer_device: torch.device | None) -> None:
@@ -138,13 +148,22 @@ class Qwen3MoEModel(ModelProtocol):
         with full_tensors(self.output):
             trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, attention_masks=None, positions=None,
+    def get_attention_masks(self, input_batch: torch.Tensor, tokenizer=None, extra_inputs=None):
+        """torchtitan's hook, called by its trainer for each micro-batch when attn_type is "flex"
+        (document masking): the BlockMask of the batch's documents, from its positions [B, S]."""
+        positions = (extra_inputs or {}).get("positions")
+        if positions is None:  # no document boundaries given: each sequence is one document
+            positions = torch.arange(input_batch.shape[1], device=input_batch.device).expand_as(input_batch)
+        return document_block_mask(positions)
+
+    def forward(self, tokens: torch.Tensor, attention_masks=None, positions: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, S] int64 -> logits [B, S, V]; with labels [B, S], the summed loss [] fp32
-        (the trainer passes them: see loss_of_output). Causal SDPA attention only."""
-        if attention_masks is not None or positions is not None:
-            raise ValueError("qwen3_moe uses causal SDPA attention: attention_masks and positions must be None")
+        (the trainer passes them: see loss_of_output). positions [B, S]: each token's place in its
+        document (RoPE's, and with document masking the documents); None: 0..S-1."""
+        if self.model_args.attn_type == "flex" and attention_masks is None:
+            attention_masks = self.get_attention_masks(tokens, extra_inputs={"positions": positions})
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, self.rope_cache)
+            h = layer(h, self.rope_cache, attention_masks, positions)
         return self.output(self.norm(h), labels)

@@ -236,13 +236,13 @@ def _contiguous_stride(shape) -> tuple[int, ...]:
 
 def check_exportable(args: Qwen3MoEArgs) -> None:
     """Refuse (one line) model settings that Hugging Face Qwen3-MoE cannot express."""
-    moe = args.moe
-    if moe.score_func != "softmax":
-        raise HFConversionError(f"[router] score_func = {moe.score_func!r}: Hugging Face Qwen3-MoE routes with softmax")
-    if moe.route_scale != 1.0:
-        raise HFConversionError(f"[router] route_scale = {moe.route_scale}: Hugging Face Qwen3-MoE has no route scale (1.0)")
-    if moe.topk_groups < moe.n_groups:
-        raise HFConversionError(f"[router] n_groups = {moe.n_groups}, topk_groups = {moe.topk_groups}: Hugging Face "
+    router = args.moe.router
+    if router.score_func != "softmax":
+        raise HFConversionError(f"[router] score_func = {router.score_func!r}: Hugging Face Qwen3-MoE routes with softmax")
+    if router.route_scale != 1.0:
+        raise HFConversionError(f"[router] route_scale = {router.route_scale}: Hugging Face Qwen3-MoE has no route scale (1.0)")
+    if router.topk_groups < router.n_groups:
+        raise HFConversionError(f"[router] n_groups = {router.n_groups}, topk_groups = {router.topk_groups}: Hugging Face "
                                 "Qwen3-MoE picks its top-k over all experts (no group-limited routing)")
     if not args.qk_norm:
         raise HFConversionError("qk_norm = False: Hugging Face Qwen3-MoE always normalizes q and k")
@@ -269,13 +269,13 @@ def hf_config(args: Qwen3MoEArgs, dtype: torch.dtype = torch.bfloat16) -> dict[s
         "num_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "moe_intermediate_size": moe.inter_dim,
-        "norm_topk_prob": moe.route_norm,
+        "norm_topk_prob": moe.router.route_norm,
         # Every layer is an MoE layer; the dense width is unused (the hub's 30B-A3B states 8 x 768).
         "intermediate_size": moe.top_k * moe.inter_dim,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         # Training only (output_router_logits is off): transformers normalizes its loss differently.
-        "router_aux_loss_coef": moe.balance_loss_coeff,
+        "router_aux_loss_coef": moe.router.balance_loss_coeff,
         "output_router_logits": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -320,11 +320,10 @@ def args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> 
         max_seq_len=config.get("max_position_embeddings", base.max_seq_len),
         enable_weight_tying=config.get("tie_word_embeddings", False),
     )
-    args.moe = dataclasses.replace(
-        args.moe, num_experts=num_experts, top_k=config["num_experts_per_tok"],
-        inter_dim=config["moe_intermediate_size"], score_func="softmax",
-        route_norm=bool(config.get("norm_topk_prob", False)), route_scale=1.0,
-    )
+    router = dataclasses.replace(args.moe.router, score_func="softmax",
+                                 route_norm=bool(config.get("norm_topk_prob", False)), route_scale=1.0)
+    args.moe = dataclasses.replace(args.moe, num_experts=num_experts, top_k=config["num_experts_per_tok"],
+                                   inter_dim=config["moe_intermediate_size"], router=router)
     return args
 
 
@@ -332,7 +331,8 @@ def args_from_hf_config(config: dict[str, Any], source: str = "config.json") -> 
 # training knobs, kernels) are settings of a run.
 ARCH_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "vocab_size", "norm_eps", "rope_theta",
                "enable_weight_tying")
-ARCH_MOE_FIELDS = ("num_experts", "top_k", "inter_dim", "route_norm")
+ARCH_MOE_FIELDS = ("num_experts", "top_k", "inter_dim")
+ARCH_ROUTER_FIELDS = ("route_norm",)
 
 
 def arch_differences(a: Qwen3MoEArgs, b: Qwen3MoEArgs) -> list[str]:
@@ -340,6 +340,8 @@ def arch_differences(a: Qwen3MoEArgs, b: Qwen3MoEArgs) -> list[str]:
     diffs = [f"{f}: {getattr(a, f)} vs {getattr(b, f)}" for f in ARCH_FIELDS if getattr(a, f) != getattr(b, f)]
     diffs += [f"{f}: {getattr(a.moe, f)} vs {getattr(b.moe, f)}" for f in ARCH_MOE_FIELDS
               if getattr(a.moe, f) != getattr(b.moe, f)]
+    diffs += [f"{f}: {getattr(a.moe.router, f)} vs {getattr(b.moe.router, f)}" for f in ARCH_ROUTER_FIELDS
+              if getattr(a.moe.router, f) != getattr(b.moe.router, f)]
     return diffs
 
 

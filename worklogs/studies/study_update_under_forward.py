@@ -3,7 +3,7 @@ EP = 2, local batch 4: per layer a forward proxy (attention forward, q projectio
 on 131,072 rows) and our AdamW over that layer's expert weights (fp32 moments, bf16 grads and working copies).
 Serial (update, then forward) against the update on a side stream, layer L's forward waiting for layer L's update.
 
-    python scripts/study_update_under_forward.py      # 39 GB of GPU memory"""
+    python worklogs/studies/study_update_under_forward.py      # 39 GB of GPU memory"""
 import statistics
 
 import torch

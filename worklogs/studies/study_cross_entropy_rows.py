@@ -2,7 +2,7 @@
 read each row's second pass from L2: the second pass backwards (the first pass's tail is read first), and
 persistent programs (a few per SM, one row at a time, so fewer rows are in flight), by block size; one GPU.
 
-    python scripts/study_cross_entropy_rows.py [--tokens 16384]
+    python worklogs/studies/study_cross_entropy_rows.py [--tokens 16384]
 
 Qwen3's vocabulary (151,936), bf16 logits; the kernel reads each row twice and writes it once, so its floor is
 three passes at the copy rate measured in the same run. A variant with the kernel's block is bitwise equal to it
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 from _bench import measure_ceilings, median_us  # noqa: E402
 from torchtitan_moe.ops._triton_utils import round_to  # noqa: E402
 from torchtitan_moe.ops.cross_entropy_triton import cross_entropy_rows_  # noqa: E402

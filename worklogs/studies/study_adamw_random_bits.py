@@ -3,7 +3,7 @@ drew its random bits (one Philox call per element, 0611479's parent) against the
 elements), fp32 moments beside; kernels/bench_adamw.py's tensors (one layer, 623M parameters) with bf16
 gradients and working copies, as the training step has them; one GPU.
 
-    python scripts/study_adamw_random_bits.py [--before COMMIT]
+    python worklogs/studies/study_adamw_random_bits.py [--before COMMIT]
 
 The kernel of COMMIT is read with `git show` into a module of its own. After one step the params and working
 copies of both must be equal (the update uses the unrounded moments); only the moments' random bits differ."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "kernels"))
 from _bench import measure_ceilings, median_us  # noqa: E402
 from bench_adamw import HYPER, SEED, SHAPES  # noqa: E402

@@ -1,7 +1,7 @@
 """A study (worklogs/2026-11-27-session9-h200x2.md): gate_logits' backward piece by piece, and AdamW's kernel by
 block size and warps, on one GPU.
 
-    python scripts/study_gate_adamw.py
+    python worklogs/studies/study_gate_adamw.py
 
 The "compiled split" row shows why the split is not left to torch.compile: inductor keeps fp32 values through a
 bf16 round trip it fuses (the cast's rounding is gone, so the middle and low parts come out zero: dw's error
@@ -10,7 +10,7 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "kernels"))
 from _bench import measure_ceilings, median_us  # noqa: E402
 from torchtitan_moe.ops import gate_logits  # noqa: E402
 from torchtitan_moe.ops.gate import split_bf16, _blocks_sum  # noqa: E402

@@ -5,8 +5,8 @@ and the experts' working-copy check (moe/experts.py: stale_working_copies), each
 and a reduction per weight, in torch); and the clip's sum of squares of the experts' gradients, every step
 (torch's foreach norm, then ops.sum_of_squares).
 
-    python scripts/study_monitor_step.py        # one GPU, ~40 GB
-    python scripts/study_monitor_step.py --smoke    # small shapes on the CPU (Triton's interpreter): the script runs
+    python worklogs/studies/study_monitor_step.py        # one GPU, ~40 GB
+    python worklogs/studies/study_monitor_step.py --smoke    # small shapes on the CPU (Triton's interpreter): the script runs
 
 8 layers of 64 experts (2048 x 768, bf16 working copies keeping the weights' bf16 gradients) and the
 rank's other 75 tensors with fp32 gradients (study_optimizer_host.py's shapes)."""

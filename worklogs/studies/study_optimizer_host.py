@@ -3,7 +3,7 @@ one rank of Qwen3-30B-A3B at 8 layers holds at EP = 2 (91 tensors: each layer's 
 halved by FSDP over 2 ranks, its 64 local experts whole; the embeddings and the output halved), fp32 moments,
 fp32 gradients. The host's time is what a step whose host is the bottleneck (local batch 2) waits for.
 
-    python scripts/study_optimizer_host.py [--label NAME] [--blocks 1024x4,4096x8]   # ~45 GB of GPU memory
+    python worklogs/studies/study_optimizer_host.py [--label NAME] [--blocks 1024x4,4096x8]   # ~45 GB of GPU memory
 
 Run it from two trees (PYTHONPATH) to compare their optimizers: it uses only AdamW's constructor and step.
 --blocks (a tree with adamw_foreach_) also times the one-launch kernel's GPU time over the same tensors at

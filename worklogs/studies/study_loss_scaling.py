@@ -11,14 +11,14 @@ fp32 product rounded once:
 
 for dloss = 2^-15 (which bf16 holds) and 1/12345 (which it does not).
 
-    python scripts/study_loss_scaling.py    # one GPU, ~4 GB
+    python worklogs/studies/study_loss_scaling.py    # one GPU, ~4 GB
 """
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kernels"))
 from _bench import measure_ceilings, median_us  # noqa: E402
 
 from torchtitan_moe.ops.cross_entropy_triton import scaled  # noqa: E402

@@ -1,0 +1,90 @@
+"""The full model's memory at EP = 4 (tools/plan.py memory_items, tools/plan_memory.py --breakdown): the terms
+against hand arithmetic, against issue 51's measured peaks, and the candidates' savings."""
+
+import contextlib
+import dataclasses
+import io
+from pathlib import Path
+
+import pytest
+
+from torchtitan_moe.models.qwen3_moe import flavor_args
+from torchtitan_moe.tools import plan, plan_memory
+from torchtitan_moe.tools.plan import GIB, Layout, Run, Shape
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "qwen3_30b_a3b_4gpu.toml"
+FULL = Shape.of(flavor_args("30b-a3b"))
+EP4 = Layout(1, 4, 4, 1, "full", "all_to_all")
+
+# Issue 51's peaks (torch's max reserved, GiB): 30b-a3b on 4 H200s, EP = 4, seq 4096, full recompute, compiled,
+# learned router, one micro-batch a step (so the experts' gradients kept in bf16: expert_grad_dtype "auto").
+# (dispatcher, local batch, moments bytes, GiB). The lb 4 run was on another host of the same kind.
+MEASURED = [("all_to_all", 2, 8, 134.8), ("deepep", 2, 8, 128.2), ("all_to_all", 4, 4, 126.0)]
+
+
+@pytest.mark.parametrize("dispatcher, batch, moments, measured", MEASURED)
+def test_the_full_model_at_ep4_is_within_10_percent_of_the_measured_peaks(dispatcher, batch, moments, measured):
+    layout = dataclasses.replace(EP4, dispatcher=dispatcher)
+    predicted = plan.memory(FULL, layout, Run(4096, batch, moments, "exact", 2)).total / GIB
+    assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
+
+
+def test_the_experts_state_by_hand():
+    # An EP = 4 rank holds 32 experts x 48 layers x 3 x 768 x 2048 = 7.25B expert parameters: fp32 weights (4 B),
+    # bf16 working copies (2), bf16 gradients (2), fp32 moments (8): 16 B each.
+    items = {what: size for _, what, size in plan.memory_items(FULL, EP4, Run(4096, 2, 8, "exact", 2))}
+    experts = 48 * 32 * 3 * 768 * 2048
+    assert experts == 7_247_757_312
+    assert items["weights, experts (fp32)"] == 4 * experts and items["gradients, experts (bf16)"] == 2 * experts
+    assert items["AdamW moments, experts (fp32)"] == 8 * experts
+    assert items["experts' bf16 working copies, every layer"] == 2 * experts
+
+
+def test_full_recompute_keeps_both_exchanges_of_every_layer():
+    # Each forward keeps for its replay (dispatch/replay.py) the rows and metadata it received and the rows its
+    # combine received back: (2 D + 8 K + 2 D) bytes per (token, rank) row; at 8192 tokens a rank, 29,713 rows
+    # (bench_dispatch's count at EP 4, test_plan.py).
+    run = Run(4096, 2, 8, "exact", 2)
+    items = {what: size for _, what, size in plan.memory_items(FULL, EP4, run)}
+    rows = 8192 * plan.ranks_per_token(FULL, 4)
+    assert rows == pytest.approx(29_713, rel=0.002)
+    assert items["exchanges kept for the recompute"] == pytest.approx(48 * (4 * 2048 + 64) * rows)
+    redone = {what for _, what, _ in plan.memory_items(FULL, EP4, dataclasses.replace(run, keep_exchanges=False))}
+    assert plan.memory(FULL, EP4, run).total - plan.memory(FULL, EP4, dataclasses.replace(run, keep_exchanges=False)).total \
+        == pytest.approx(items["exchanges kept for the recompute"])
+    assert "exchanges kept for the recompute" in redone  # a row of 0 bytes, not a missing one
+
+
+def test_the_candidates_save_what_they_drop():
+    run = Run(4096, 2, 8, "exact", 2)
+    total = plan.memory(FULL, EP4, run).total
+    experts, local = 48 * 32 * 3 * 768 * 2048, FULL.params / 4
+    assert total - plan.memory(FULL, EP4, dataclasses.replace(run, moments_bytes=4)).total == pytest.approx(4 * local)
+    # no working copies: every layer's bf16 copy gone, one layer's cast in flight instead
+    cast = plan.memory(FULL, EP4, dataclasses.replace(run, expert_copies=False)).total
+    assert total - cast == pytest.approx(2 * experts - 2 * experts / 48)
+    rows = {what: (lay, r) for what, lay, r, _ in plan_memory.candidates(EP4, run)}
+    assert "experts' gradients in bf16 (one micro-batch a step)" not in rows  # the config already has them
+    assert rows["no recompute"][0].ac == "none" and rows["the same, no recompute"][1].expert_copies is False
+
+
+def test_the_breakdown_of_the_shipped_4_gpu_config():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = plan.main([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown"])
+    text = out.getvalue()
+    assert code == 0, text
+    assert text.startswith("## Memory of one GPU: EP 4 node all_to_all, FSDP 4, AC full, local batch 2 x 4096")
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line.count("|") == 4]
+    parts = [r for r in rows if r[0].removeprefix("| ") in plan.PARTS]
+    total = plan.memory(FULL, EP4, Run(4096, 2, 8, "exact", 2)).total / GIB
+    assert sum(float(r[2].rstrip(" |")) for r in parts) == pytest.approx(total, abs=0.01 * len(parts))
+    assert f"| total | torch's peak reserved, predicted | {total:.1f} |" in text
+    assert "| bf16 AdamW moments | 100.4 | -28.4 | yes | yes |" in text
+
+
+def test_the_breakdown_refuses_what_it_cannot_model():
+    with pytest.raises(plan.ConfigError, match=r"\[activation_checkpoint\] mode = 'selective', selective_ac_option = '2'"):
+        plan.report([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown",
+                     "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"])

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawn_ranks import torchrun_plan
 
 from torchtitan_moe.tools import parity
 from torchtitan_moe.tools.parity import main, settings_from
-from torchtitan_moe.tools.parity_report import compare, drift
+from torchtitan_moe.tools.parity_report import compare, drift, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,31 +151,41 @@ def test_ep_1_2_4_losses_and_grad_norms_agree(parity_out, capsys):
     assert (parity_out / "parity.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo parity run; GPU parity is in the worklogs")
-def test_activation_checkpointing_under_ep_changes_nothing(parity_out):
-    # The recompute replays the kept all-to-all results: same losses to the bit, same counts.
-    code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "activation_checkpoint.mode=none,full",
-                 "--steps", "6", "--nproc", "2", "--out", str(parity_out), "--no-plot", "--one-launch",
-                 "--", "--parallelism.expert_parallel_degree", "2"])
-    report = (parity_out / "parity.md").read_text()
-    assert code == 0, report
-    summary = report.split("max relative difference")[1]
-    # The aux loss (debug.toml's global-batch balance loss) too: a recompute counts nothing again.
-    assert "| mode=full | 0.00e+00 | 0.00e+00 | 0.00e+00 | 0.00e+00 | = | ok |" in summary, summary
+cpu_run = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo parity run; GPU parity is in the worklogs")
+
+
+@pytest.fixture(scope="module")
+def ep2_runs(tmp_path_factory) -> Path:
+    """Three 10-step runs of the debug config at EP = 2 on 2 processes, in one launch (they start from the
+    same weights: one mesh, one [debug] seed): activation checkpointing off, on, and on with torch.compile."""
+    d = tmp_path_factory.mktemp("ep2")
+    runs = {"none": ["--activation_checkpoint.mode", "none"], "full": ["--activation_checkpoint.mode", "full"],
+            "compiled": ["--activation_checkpoint.mode", "full", "--compile.enable"]}
+    torchrun_plan([{"train": ["--job.dump_folder", str(d / name), "--parallelism.expert_parallel_degree", "2",
+                              "--training.steps", "10", *overrides], "log": str(d / name)}
+                   for name, overrides in runs.items()], d)
+    return d
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo parity run; GPU parity is in the worklogs")
-def test_compiled_training_matches_eager(parity_out):
+@cpu_run
+def test_activation_checkpointing_under_ep_changes_nothing(ep2_runs):
+    # The recompute replays the kept all-to-all results: same losses to the bit, same counts, and the
+    # same aux loss (debug.toml's global-batch balance loss): a recompute counts nothing again.
+    c = compare("mode=full", read_metrics(ep2_runs / "none"), read_metrics(ep2_runs / "full"))
+    assert c.loss_bitwise and c.grad_norm == 0 and c.aux_loss == 0 and c.load == 0, c
+
+
+@pytest.mark.slow
+@cpu_run
+def test_compiled_training_matches_eager(ep2_runs):
     # torch.compile (attention and router regions, our custom ops inside) trains like eager under
     # EP = 2, and with activation checkpointing (its recompute runs the compiled regions again and
     # replays the kept exchanges): fp32, 10 steps, loss and grad norm within 1e-4. EP = 1 compiles
     # the same regions (the dispatcher is outside them): EP = 2 alone covers them and the exchanges.
-    code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "compile.enable=false,true",
-                 "--steps", "10", "--nproc", "2", "--loss-rtol", "1e-4", "--grad-rtol", "1e-4",
-                 "--out", str(parity_out), "--no-plot", "--one-launch",
-                 "--", "--activation_checkpoint.mode", "full", "--parallelism.expert_parallel_degree", "2"])
-    report = (parity_out / "parity.md").read_text()
-    assert code == 0, report
-    assert "| 10 |" in report and report.count("| ok |") == 1, report
+    compiling = "Compiled each block's attention and router with torch.compile"
+    assert compiling in (ep2_runs / "compiled.out").read_text() and compiling not in (ep2_runs / "full.out").read_text()
+    eager, compiled = read_metrics(ep2_runs / "full"), read_metrics(ep2_runs / "compiled")
+    assert [r["step"] for r in compiled] == list(range(1, 11))
+    c = compare("compile=true", eager, compiled)
+    assert c.ok(1e-4, 1e-4), c

@@ -32,7 +32,7 @@ PLAN.json is a list of operations that every rank runs in order:
 An op with "log": PREFIX writes its output (every rank's) to PREFIX.out and PREFIX.err instead.
 Each run is torchtitan's Trainer (our MoETrainer) from scratch; only the process group is shared
 (torchtitan_moe/tools/train_runs.py, which `python -m torchtitan_moe.tools.parity --one-launch` uses too).
-Tests launch a plan with `spawn_ranks.torchrun_plan`.
+Tests launch a plan with `spawn_ranks.launch_plan`.
 """
 
 import dataclasses
@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from torchtitan_moe.components.data import stop_workers
 from torchtitan_moe.components.data.prepare import prepare
 from torchtitan_moe.hf import convert
 
@@ -83,8 +84,17 @@ def data_of_ranks(n: int):
     def adapt(trainer) -> None:
         assert dist.get_world_size() == 1, "data_of_ranks is a one-process reference"
         build = trainer.train_spec.build_dataloader_fn
-        trainer.dataloader = RanksSideBySide([build(dp_world_size=n, dp_rank=r, tokenizer=trainer.tokenizer,
-                                                    job_config=trainer.job_config) for r in range(n)])
+        loaders = [build(dp_world_size=n, dp_rank=r, tokenizer=trainer.tokenizer, job_config=trainer.job_config)
+                   for r in range(n)]
+        trainer.dataloader = RanksSideBySide(loaders)
+        close = trainer.close
+
+        def close_all() -> None:  # the trainer stops its own loader's workers, not these (5 s each otherwise)
+            for loader in loaders:
+                stop_workers(loader)
+            close()
+
+        trainer.close = close_all
 
     return adapt
 

@@ -15,7 +15,7 @@ from torchtitan_moe.components.data import check_data
 from torchtitan_moe.config.sections import ConfigError, check_semantics
 from torchtitan_moe.config.structure import check_cli_keys, check_structure
 from torchtitan_moe.config.torchtitan_keys import check_tokenizer_file, check_torchtitan_keys
-from torchtitan_moe.compat.torchtitan import CUSTOM_CONFIG_MODULE, ConfigManager, merged_config_class
+from torchtitan_moe.compat.torchtitan import CUSTOM_CONFIG_MODULE, ConfigParser, merged_config_class
 
 try:
     import tomllib
@@ -78,7 +78,7 @@ def load_job_config(argv: list[str] | None = None, world_size: int | None = None
         "custom_config_module", CUSTOM_CONFIG_MODULE)
     if module != CUSTOM_CONFIG_MODULE:
         raise ConfigError(f"[job] custom_config_module = {module!r}: torchtitan-moe needs {CUSTOM_CONFIG_MODULE!r}")
-    config = ConfigManager().parse_args(with_custom_config_module(argv, toml_values))
+    config = ConfigParser().parse_args(with_custom_config_module(argv, toml_values))
     world_size = int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else world_size
     check_semantics(config, FLAVORS, world_size)
     check_torchtitan_keys(config, world_size)

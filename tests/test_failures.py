@@ -309,6 +309,8 @@ def test_killing_the_launcher_alone_stops_its_run_and_a_second_run_is_refused_me
             time.sleep(0.1)
         workers = children(first.pid)
         holder = json.loads((dump / "run.lock").read_text())
+        for pid in workers:  # paused while the second launch starts: 2 cores for 4 processes, otherwise
+            os.kill(pid, signal.SIGSTOP)
         second = subprocess.run([sys.executable, "-m", "torchtitan_moe.train.launch", "--standalone",
                                  "--nproc_per_node", "2", "--local-ranks-filter", "0", "--role", "rank", "--tee", "3",
                                  "-m", "torchtitan_moe.train", "--job.config_file", "configs/debug.toml",
@@ -320,6 +322,8 @@ def test_killing_the_launcher_alone_stops_its_run_and_a_second_run_is_refused_me
                         f"{holder['pid']}, since {holder['since']}): one run writes a folder at a time; wait for it, "
                         "stop it, or pick another --job.dump_folder"], said
         assert "Traceback" not in second.stderr and "ChildFailedError" not in second.stderr
+        for pid in workers:  # training again when their launcher dies
+            os.kill(pid, signal.SIGCONT)
         first.send_signal(signal.SIGKILL)
         first.wait()
         deadline = time.monotonic() + 10

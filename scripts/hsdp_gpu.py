@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-from spawn_ranks import torchrun_plan  # noqa: E402
+from spawn_ranks import launch_plan  # noqa: E402
 
 from torchtitan_moe.tools import parity_report  # noqa: E402
 from torchtitan_moe.tools.parity import split_overrides  # noqa: E402
@@ -43,8 +43,8 @@ def main(argv: list[str]) -> int:
         return {"train": ["--job.dump_folder", str(dump), "--training.steps", str(args.steps), *COMMON, *extra,
                           *overrides], "log": str(dump)}
 
-    torchrun_plan([run(out / "replicate2", "--parallelism.data_parallel_replicate_degree", "2")], out, nproc=2)
-    torchrun_plan([{**run(out / "one" / "run"), "data_of_ranks": 2}], out / "one", nproc=1)
+    launch_plan([run(out / "replicate2", "--parallelism.data_parallel_replicate_degree", "2")], out, nproc=2)
+    launch_plan([{**run(out / "one" / "run"), "data_of_ranks": 2}], out / "one", nproc=1)
     one, two = parity_report.read_metrics(out / "one" / "run"), parity_report.read_metrics(out / "replicate2")
     start = parity_report.fingerprint_difference(parity_report.read_fingerprint(out / "one" / "run"),
                                                  parity_report.read_fingerprint(out / "replicate2"))

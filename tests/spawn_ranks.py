@@ -1,9 +1,10 @@
-"""Shared by the multi-process tests: run a worker on W spawned ranks and fail with their messages;
-run several training runs of the debug config in one torchrun launch (`torchrun_plan`).
+"""Shared by the multi-process tests: run a worker on W ranks (processes forked from a server that
+imported torch once) and fail with their messages; run several training runs of the debug config on
+one set of ranks, as one torchrun launch would (`launch_plan`).
 
 The worker is called as worker(rank, world, port, *args, failures) and runs its checks inside
 `with rank_group(rank, world, port, failures):`, which reports a failure to the parent through
-`failures` (a spawned process's assertion is otherwise lost).
+`failures` (a rank process's assertion is otherwise lost).
 
 A failing rank fails the test fast, whatever its peers do: its process group's collectives give up
 after PG_TIMEOUT_S (gloo's `timeout`), the peers of a rank that failed get GRACE_S to finish before
@@ -15,10 +16,9 @@ the ranks that were killed.
 
 import contextlib
 import json
+import multiprocessing
 import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from multiprocessing import connection as mp_connection
@@ -74,13 +75,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Imported once by the fork server the ranks are forked from: a rank pays for its test module alone. Where
+# there is a GPU, torch alone: torchtitan asks for the device count when imported, which initializes CUDA
+# in the server, and a process forked after that cannot use CUDA.
+PRELOAD = ["torch", "torch.distributed"] if torch.cuda.is_available() else ["rank_preload"]
+
+
+def _context():
+    """Ranks forked from a server started once per session, with PRELOAD imported and no thread running
+    (a plain fork of this pytest process would copy its state, locks held by its threads included)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class _Pool:
-    """`world` spawned processes, process r running each body it is sent as rank r. The start-up
-    (a process, torch and the test module imported) is paid once per test module and world size,
-    not once per test; a process that ends (os._exit) or is killed is started again for the next body."""
+    """`world` processes forked from the session's fork server, process r running each body it is sent
+    as rank r. The start-up (the test module imported, the group's processes) is paid once per test
+    module and world size, not once per test; a process that ends (os._exit) or is killed is started
+    again for the next body."""
 
     def __init__(self, world: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.failures = ctx.SimpleQueue()
         self.conns, self.procs = [], []
         for rank in range(world):
@@ -151,6 +167,9 @@ class _Pool:
 
 
 def _serve(rank: int, conn, failures) -> None:
+    # A forked child inherits the server's start method: processes it starts (a DataLoader's workers) would
+    # come from the fork server too. The platform's default, as in a fresh process.
+    multiprocessing.set_start_method(None, force=True)
     while (job := conn.recv()) is not None:
         worker, world, port, args, path, env = job
         sys.path[:] = path  # as a freshly spawned process would see them
@@ -199,30 +218,65 @@ def torchrun_env() -> dict[str, str]:
     return env
 
 
-def torchrun_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int = 600) -> None:
-    """Run tests/resume_harness.py's operations (training runs, copies, ...) in ONE torchrun launch of
-    `nproc` processes: the start-up (imports, process group) is paid once, not once per run. The
-    launch's output is in folder/harness.log; a failed launch fails the test with its tail."""
+def launch_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int = 600) -> None:
+    """Run tests/resume_harness.py's operations (training runs, copies, ...) on `nproc` ranks forked from
+    the session's fork server, as one torchrun launch of the harness would (the same environment
+    variables, one process group for every run): the start-up is paid once a plan, and the imports once
+    a session. Every rank's output goes to folder/harness.log. A rank that fails (its traceback is in
+    the log) stops the others after GRACE_S, as torchrun does; so does `timeout`. Either fails the test
+    with the log's tail. (torchrun itself is tested where users meet it: the README's command, the
+    launcher's tests, SLURM, parity's launches.)"""
     (folder / "plan.json").write_text(json.dumps(plan))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(ROOT / "tests" / "resume_harness.py"), str(folder / "plan.json")]
-    # Its own process group: at the timeout the launcher and its workers are killed together.
-    launch = subprocess.Popen(cmd, cwd=ROOT, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, start_new_session=True)
-    try:
-        stdout, stderr = launch.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
-        stdout, stderr = launch.communicate()
-        (folder / "harness.log").write_text(stdout + stderr)
-        pytest.fail(f"the torchrun launch was killed after {timeout} s:\n{stdout[-3000:]}{stderr[-6000:]}")
-    (folder / "harness.log").write_text(stdout + stderr)
-    assert launch.returncode == 0, stdout[-3000:] + stderr[-6000:]
+    log = folder / "harness.log"
+    log.write_text("")
+    ctx, port = _context(), free_port()
+    env = torchrun_env()
+    ranks = [ctx.Process(target=_plan_rank, args=(rank, nproc, port, str(folder / "plan.json"), str(log), env))
+             for rank in range(nproc)]
+    for proc in ranks:
+        proc.start()
+    deadline, failed_at = time.monotonic() + timeout, None
+    while any(proc.is_alive() for proc in ranks):
+        if failed_at is None and any(proc.exitcode not in (None, 0) for proc in ranks):
+            failed_at = time.monotonic()
+        limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
+        if time.monotonic() >= limit:
+            break
+        mp_connection.wait([proc.sentinel for proc in ranks if proc.is_alive()], timeout=limit - time.monotonic())
+    killed = [rank for rank, proc in enumerate(ranks) if proc.is_alive()]
+    for rank in killed:
+        ranks[rank].kill()
+        ranks[rank].join()
+    codes = {rank: proc.exitcode for rank, proc in enumerate(ranks) if proc.exitcode != 0 and rank not in killed}
+    if codes or killed:
+        why = (f"ranks {killed} killed ({'the launch ran past ' + str(timeout) + ' s' if failed_at is None else 'a rank failed'}); "
+               if killed else "")
+        pytest.fail(f"{why}exit codes {codes}; the end of {log}:\n{log.read_text()[-9000:]}")
+
+
+def _plan_rank(rank: int, world: int, port: int, plan_path: str, log_path: str, env: dict[str, str]) -> None:
+    """One rank of launch_plan: the environment torchrun gives its workers, output to the log, the harness.
+    (The fork server's modules read TRITON_INTERPRET when it imported them; what a run checks reads this
+    environment, and training on the CPU runs no Triton kernel.)"""
+    multiprocessing.set_start_method(None, force=True)  # the platform's default, as in a fresh process
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1), os.dup2(fd, 2)
+    import torch
+
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read once, at torch's first parallel region
+    import resume_harness
+
+    code = resume_harness.main(plan_path)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)  # (no atexit handlers of the fork server's modules)
 
 
 def train_debug(dump: Path, *overrides: str, nproc: int = 2) -> list[dict]:
-    """One run of the debug config on `nproc` processes (torchrun_plan); rank 0's metrics.jsonl records."""
+    """One run of the debug config on `nproc` processes (launch_plan); rank 0's metrics.jsonl records."""
     dump.parent.mkdir(parents=True, exist_ok=True)
-    torchrun_plan([{"train": ["--job.dump_folder", str(dump), *overrides]}], dump.parent, nproc)
+    launch_plan([{"train": ["--job.dump_folder", str(dump), *overrides]}], dump.parent, nproc)
     with open(dump / "metrics.jsonl") as f:
         return [json.loads(line) for line in f]

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from spawn_ranks import torchrun_env, torchrun_plan
+from spawn_ranks import torchrun_env, launch_plan
 
 from torchtitan_moe.components.checks import router_init as ri
 from torchtitan_moe.components.checks import monitors as mon
@@ -478,7 +478,7 @@ def test_zero_initialized_gate_stops_the_run_before_step_1(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo path")
 def test_default_run_passes_and_checks_and_monitors_leave_training_unchanged(tmp_path):
     # Both runs in one torchrun launch; each run's output (both ranks) in its own .out / .err.
-    torchrun_plan([
+    launch_plan([
         {"train": ["--job.dump_folder", str(tmp_path / "checked"), "--training.steps", "6",
                    "--checks.monitor_freq", "3"], "log": str(tmp_path / "checked")},
         {"train": ["--job.dump_folder", str(tmp_path / "plain"), "--training.steps", "6",

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from numerics import assert_close_to_max
-from spawn_ranks import rank_group, run_ranks, torchrun_plan
+from spawn_ranks import rank_group, run_ranks, launch_plan
 from spawn_ranks import train_debug as train
 from test_all_to_all import DIM, EXPERTS, forward_backward, make_layer
 
@@ -147,7 +147,7 @@ def test_ep2_bf16_experts_working_copies_train_as_the_experts_under_fsdp(tmp_pat
         else:  # fp32 gradients ("auto" keeps them in bf16 on a GPU)
             args += ["--optimizer.expert_grad_dtype", "float32"]
             plan.append({"train": args, "experts": str(tmp_path / f"{name}.experts.json"), "experts_in_fsdp": name == "in_fsdp"})
-    torchrun_plan(plan, tmp_path, nproc=2)
+    launch_plan(plan, tmp_path, nproc=2)
     layouts = {name: json.loads((tmp_path / f"{name}.experts.json").read_text()) for name in ("outside", "in_fsdp")}
     assert not any(seen["fsdp"] for seen in layouts["outside"]) and all(seen["fsdp"] for seen in layouts["in_fsdp"])
     runs = {name: [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
@@ -169,7 +169,7 @@ def test_a_training_step_never_makes_the_host_wait_for_the_gpu(tmp_path):
            "worst_case"] if nproc == 2 else ["--dispatch.backend", "local"])
     plan = [{"host_syncs": [*ep, "--training.mixed_precision_param", "bfloat16", "--kernels.backend", "triton",
                             "--job.dump_folder", str(tmp_path / "run")], "out": str(tmp_path / "syncs.json")}]
-    torchrun_plan(plan, tmp_path, nproc=nproc)
+    launch_plan(plan, tmp_path, nproc=nproc)
     assert json.loads((tmp_path / "syncs.json").read_text()) == [0, 0]
 
 

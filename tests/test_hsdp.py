@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import torchrun_plan
+from spawn_ranks import launch_plan
 
 from torchtitan_moe.tools import parity_report
 
@@ -59,9 +59,9 @@ def runs(tmp_path_factory) -> Path:
         step = out / "hsdp" / "checkpoint" / f"step-{SAVED}"
         plan += [{"copy": [str(step), str(out / f"resume{i}" / "checkpoint" / step.name)]},
                  run(out / f"resume{i}", *overrides, *RESUME)]
-    torchrun_plan(plan, out, nproc=4)
+    launch_plan(plan, out, nproc=4)
     (out / "one").mkdir()
-    torchrun_plan([{**run(out / "one" / "run"), "data_of_ranks": 4}], out / "one", nproc=1)
+    launch_plan([{**run(out / "one" / "run"), "data_of_ranks": 4}], out / "one", nproc=1)
     return out
 
 

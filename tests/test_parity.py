@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import torchrun_plan
+from spawn_ranks import launch_plan
 
 from torchtitan_moe.tools import parity
 from torchtitan_moe.tools.parity import main, settings_from
@@ -161,7 +161,7 @@ def ep2_runs(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("ep2")
     runs = {"none": ["--activation_checkpoint.mode", "none"], "full": ["--activation_checkpoint.mode", "full"],
             "compiled": ["--activation_checkpoint.mode", "full", "--compile.enable"]}
-    torchrun_plan([{"train": ["--job.dump_folder", str(d / name), "--parallelism.expert_parallel_degree", "2",
+    launch_plan([{"train": ["--job.dump_folder", str(d / name), "--parallelism.expert_parallel_degree", "2",
                               "--training.steps", "10", *overrides], "log": str(d / name)}
                    for name, overrides in runs.items()], d)
     return d

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import torchrun_env, torchrun_plan
+from spawn_ranks import torchrun_env, launch_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 DEBUG = ROOT / "configs" / "debug.toml"
@@ -145,7 +145,7 @@ def harness(tmp_path_factory, killed_run) -> Path:
         for key in ("train", "refused"):
             if key in op:
                 op[key] = COMMON + op[key]
-    torchrun_plan(plan, d)
+    launch_plan(plan, d)
     return d
 
 

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from spawn_ranks import torchrun_plan
+from spawn_ranks import launch_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo count")]
 
@@ -24,7 +24,7 @@ def test_a_training_step_never_syncs_with_the_host_outside_logging(tmp_path):
             "exact_chunks": ["--dispatch.overlap", "chunks"]}
     plan = [{"host_syncs": [*ep2, "--dispatch.buffers", name.removesuffix("_chunks"), *extra, "--job.dump_folder",
                             str(tmp_path / name)], "out": str(tmp_path / f"{name}.json")} for name, extra in runs.items()]
-    torchrun_plan(plan, tmp_path)
+    launch_plan(plan, tmp_path)
     worst, exact, worst_chunks, exact_chunks = (json.loads((tmp_path / f"{b}.json").read_text()) for b in runs)
     assert worst == [0, 0], worst  # torchtitan's step read the global token count back: 1 a step
     # The exact buffers read each layer's split sizes once: the count tells them apart.

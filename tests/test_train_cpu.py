@@ -1,5 +1,5 @@
 """End to end on the CPU: 2 processes over gloo train the debug config (resuming: tests/test_resume.py).
-The runs below share one torchrun launch (spawn_ranks.torchrun_plan); the default one ends with a
+The runs below share one torchrun launch (spawn_ranks.launch_plan); the default one ends with a
 Hugging Face export."""
 
 import json
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import torchrun_plan
+from spawn_ranks import launch_plan
 
 from torchtitan_moe.hf import convert
 from torchtitan_moe.hf.bias_cost import synthetic_held_out
@@ -121,7 +121,7 @@ def launched(tmp_path_factory) -> Path:
     # A run's close() stops its data worker (the debug config has one), not the garbage collector 5 s later.
     plan.append({"train": ["--job.dump_folder", str(d / "workers"), "--training.steps", "2"],
                  "data_workers": str(d / "data_workers.json")})
-    torchrun_plan(plan, d)
+    launch_plan(plan, d)
     return d
 
 

@@ -54,6 +54,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    # The real SLURM job (tests/test_slurm.py) waits on its daemons most of the time: started now, it runs
+    # beside the tests collected before it (the kernel tests, which leave a core idle).
+    for item in session.items:
+        if item.name == "test_sbatch_trains_the_debug_config_on_two_nodes" and os.environ.get("SLURM_CHECK") == "1":
+            item.module.start_slurm_check()
+
+
 def pytest_runtest_logreport(report):
     path = os.environ.get("FAILURES_LOG")
     if path and report.failed:

@@ -50,7 +50,8 @@ def test_bundled_configs_pass(name):
 
 @pytest.mark.parametrize("name", ["debug.toml", "qwen3_30b_a3b_4gpu.toml"])
 def test_our_parse_gives_torchtitans_config_and_its_help(name, capsys):
-    # ConfigParser leaves the help texts out of a parse; the config must be torchtitan's own, field for field.
+    # ConfigParser skips tyro's search for comments to show as help: the config must be torchtitan's own, field
+    # for field, and --help the same text.
     path = str(ROOT / "configs" / name)
     argv = with_custom_config_module(["--job.config_file", path, "--moe.top_k", "4", "--training.steps=7",
                                       "--compile.no-enable", "--router.init_std", "0.01"], read_toml(path))

@@ -208,9 +208,6 @@ def run_ranks(worker, world: int, *args, deadline_s: float = DEADLINE_S) -> None
         pytest.fail("\n".join(messages))
 
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
 def torchrun_env() -> dict[str, str]:
     """Training processes run the kernels' torch paths (no Triton interpreter), one thread each."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -249,8 +246,8 @@ def launch_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int = 6
         ranks[rank].join()
     codes = {rank: proc.exitcode for rank, proc in enumerate(ranks) if proc.exitcode != 0 and rank not in killed}
     if codes or killed:
-        why = (f"ranks {killed} killed ({'the launch ran past ' + str(timeout) + ' s' if failed_at is None else 'a rank failed'}); "
-               if killed else "")
+        cause = f"the launch ran past {timeout} s" if failed_at is None else "a rank failed"
+        why = f"ranks {killed} killed ({cause}); " if killed else ""
         pytest.fail(f"{why}exit codes {codes}; the end of {log}:\n{log.read_text()[-9000:]}")
 
 

@@ -7,8 +7,8 @@
 DCP writes `.metadata` last, and a step folder counts as complete once it exists; checksums.json is
 written just before it, so every complete step carries the checksums of its data files. A step folder
 saved without checksums (before they were written) loads with a warning. The hash is xxh3_64 (the
-`xxhash` package, which torchtitan's `datasets` dependency installs): several GB/s a thread, its cost a
-few percent of the save (worklogs/studies/study_checksum_cost.py measures it).
+`xxhash` package, which torchtitan's `datasets` dependency installs): several GB/s a thread, so hashing
+costs a small part of a save, beside writing the bytes.
 """
 
 from __future__ import annotations

@@ -317,7 +317,7 @@ def main(plan_path: str) -> int:
 
 def run_plan(plan: list[dict]) -> None:
     for i, op in enumerate(plan):
-        print(f"resume_harness: op {i}: {op}", flush=True)
+        print(f"resume_harness: rank {dist.get_rank()} op {i}: {op}", flush=True)
         prefix = op.get("log")
         with train_runs.output_to(prefix and f"{prefix}.out", prefix and f"{prefix}.err"):
             if "train" in op and "experts" in op:

@@ -11,15 +11,18 @@ after PG_TIMEOUT_S (gloo's `timeout`), the peers of a rank that failed get GRACE
 they are killed (they may wait forever in a collective the failed rank never joins, or it may hang
 tearing its group down under a pending one), and every body has a deadline (DEADLINE_S, or
 run_ranks' `deadline_s`). The test's failure names each rank that failed, with its traceback, and
-the ranks that were killed.
+the ranks that were killed, with the Python stack each was stuck in (faulthandler, on SIGUSR1).
 """
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing
 import os
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -38,6 +41,29 @@ PG_TIMEOUT_S = 120
 GRACE_S = 5
 # A body's longest run on every rank, when run_ranks is given no deadline_s.
 DEADLINE_S = 300
+# Asked for its stack, a rank has this long to write it before it is killed.
+DUMP_S = 2
+
+
+def _stacks_on_sigusr1(path: str) -> None:
+    """This process writes every thread's Python stack to `path` when sent SIGUSR1 (the file is kept open:
+    the handler writes from the signal, allocating nothing)."""
+    faulthandler.register(signal.SIGUSR1, file=open(path, "a"), all_threads=True)
+
+
+def _kill_with_stacks(procs: dict[int, "mp.Process"], dumps: dict[int, Path]) -> str:
+    """Kill the stuck ranks `procs` ({rank: process}) after asking each for its stacks -> those stacks."""
+    if not procs:
+        return ""
+    for proc in procs.values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(DUMP_S)
+    for proc in procs.values():
+        proc.kill()
+        proc.join()
+    return "".join(f"\nrank {rank} was stuck in:\n{dumps[rank].read_text()[-6000:]}" for rank in procs
+                   if dumps[rank].exists())
 
 
 @contextlib.contextmanager
@@ -99,9 +125,10 @@ class _Pool:
         ctx = _context()
         self.failures = ctx.SimpleQueue()
         self.conns, self.procs = [], []
+        self.dumps = {rank: Path(tempfile.mkdtemp(prefix="ranks")) / f"stack{rank}.txt" for rank in range(world)}
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, child, self.failures), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, child, self.failures, str(self.dumps[rank])), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -136,7 +163,8 @@ class _Pool:
                     why = f"the body's deadline of {deadline_s:g} s passed"
                 else:
                     why = f"still running {GRACE_S} s after a rank failed or ended"
-                messages.append(f"ranks {sorted(pending)} killed: {why} (waiting for a peer in a collective?)")
+                stacks = _kill_with_stacks({r: self.procs[r] for r in pending}, self.dumps)
+                messages.append(f"ranks {sorted(pending)} killed: {why} (waiting for a peer in a collective?){stacks}")
                 return False, messages
             for rank, conn in list(pending.items()):
                 with contextlib.suppress(EOFError):
@@ -166,7 +194,8 @@ class _Pool:
                 proc.join()
 
 
-def _serve(rank: int, conn, failures) -> None:
+def _serve(rank: int, conn, failures, dump: str) -> None:
+    _stacks_on_sigusr1(dump)
     # A forked child inherits the server's start method: processes it starts (a DataLoader's workers) would
     # come from the fork server too. The platform's default, as in a fresh process.
     multiprocessing.set_start_method(None, force=True)
@@ -241,14 +270,12 @@ def launch_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int = 6
             break
         mp_connection.wait([proc.sentinel for proc in ranks if proc.is_alive()], timeout=limit - time.monotonic())
     killed = [rank for rank, proc in enumerate(ranks) if proc.is_alive()]
-    for rank in killed:
-        ranks[rank].kill()
-        ranks[rank].join()
+    stacks = _kill_with_stacks({rank: ranks[rank] for rank in killed}, {r: folder / f"stack{r}.txt" for r in killed})
     codes = {rank: proc.exitcode for rank, proc in enumerate(ranks) if proc.exitcode != 0 and rank not in killed}
     if codes or killed:
         cause = f"the launch ran past {timeout} s" if failed_at is None else "a rank failed"
         why = f"ranks {killed} killed ({cause}); " if killed else ""
-        pytest.fail(f"{why}exit codes {codes}; the end of {log}:\n{log.read_text()[-9000:]}")
+        pytest.fail(f"{why}exit codes {codes}; the end of {log}:\n{log.read_text()[-9000:]}{stacks}")
 
 
 def _plan_rank(rank: int, world: int, port: int, plan_path: str, log_path: str, env: dict[str, str]) -> None:
@@ -261,6 +288,7 @@ def _plan_rank(rank: int, world: int, port: int, plan_path: str, log_path: str, 
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
     os.dup2(fd, 1), os.dup2(fd, 2)
+    _stacks_on_sigusr1(str(Path(log_path).parent / f"stack{rank}.txt"))
     import torch
 
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read once, at torch's first parallel region

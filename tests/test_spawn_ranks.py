@@ -78,6 +78,8 @@ def sleeping_worker(rank, world, port, seconds, failures):
 def test_a_body_past_its_deadline_is_killed():
     run_ranks(exchange_worker, 2)
     start = time.monotonic()
-    with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] killed: the body's deadline of 3 s passed"):
+    with pytest.raises(pytest.fail.Exception, match=r"ranks \[0, 1\] killed: the body's deadline of 3 s passed") as failure:
         run_ranks(sleeping_worker, 2, 60, deadline_s=3)
     assert time.monotonic() - start < 3 + 15
+    for rank in (0, 1):  # where each was stuck, down to the line
+        assert re.search(rf"rank {rank} was stuck in:\n(.*\n)*.*line \d+ in sleeping_worker", str(failure.value))

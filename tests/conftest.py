@@ -27,12 +27,14 @@ if not torch.cuda.is_available():
 # backward after the op changes (a halved exchange gradient passed a compiled test), and a profile of
 # earlier compiles would change what a later test compiles. Inductor's kernels are keyed by their
 # generated source, so they share one cache for the session (fresh each session, removed at its end):
-# compiled once, not once per rank and per test (a C++ build is seconds on the CPU).
+# compiled once, not once per rank and per test (a C++ build is seconds on the CPU); pytest-xdist's workers
+# inherit their controller's.
 os.environ.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0",
-                  TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO="0", TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO="0",
-                  TORCHINDUCTOR_CACHE_DIR=tempfile.mkdtemp(prefix="torchinductor-tests-"))
+                  TORCH_DYNAMO_AUTOMATIC_DYNAMIC_LOCAL_PGO="0", TORCH_DYNAMO_AUTOMATIC_DYNAMIC_REMOTE_PGO="0")
 os.environ.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
-atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="torchinductor-tests-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 # Inductor compiles in the process that traces: on 2 cores its pool of compile workers (started per
 # process, each importing torch) cost more than it saved (the compiled parity test 37-43 s, not 41-51 s).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -54,12 +56,33 @@ def pytest_collection_modifyitems(items):
             item.add_marker(skip)
 
 
+def pytest_configure(config):
+    # The real SLURM job's folder (tests/test_slurm.py), made before pytest-xdist's workers start: they
+    # inherit this environment.
+    if os.environ.get("SLURM_CHECK") == "1" and "SLURM_CHECK_DIR" not in os.environ:
+        os.environ["SLURM_CHECK_DIR"] = tempfile.mkdtemp(prefix="slurm-check-")
+        atexit.register(shutil.rmtree, os.environ["SLURM_CHECK_DIR"], ignore_errors=True)
+
+
+def _start_slurm_check(nodeids) -> None:
+    # The real SLURM job waits on its daemons most of the time: started once its test is collected, it runs
+    # beside the tests before it (the kernel tests, which leave a core idle).
+    if os.environ.get("SLURM_CHECK") == "1" and any(i.endswith("::test_sbatch_trains_the_debug_config_on_two_nodes")
+                                                    for i in nodeids):
+        from test_slurm import start_slurm_check
+
+        start_slurm_check()
+
+
 def pytest_collection_finish(session):
-    # The real SLURM job (tests/test_slurm.py) waits on its daemons most of the time: started now, it runs
-    # beside the tests collected before it (the kernel tests, which leave a core idle).
-    for item in session.items:
-        if item.name == "test_sbatch_trains_the_debug_config_on_two_nodes" and os.environ.get("SLURM_CHECK") == "1":
-            item.module.start_slurm_check()
+    # (Under pytest-xdist the controller starts it, once: below.)
+    if not hasattr(session.config, "workerinput"):
+        _start_slurm_check(item.nodeid for item in session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    _start_slurm_check(ids)
 
 
 def pytest_runtest_logreport(report):

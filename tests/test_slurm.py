@@ -5,9 +5,10 @@ every step of both nodes in its log, and a bad config is refused by the job in o
 with apt when missing (root or passwordless sudo), so it runs only where SLURM_CHECK=1 (.ci/run sets it)."""
 
 import os
+import signal
 import subprocess
 import sys
-import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -29,31 +30,33 @@ def test_a_bad_process_count_per_node_is_one_line_before_slurm_is_asked(nproc):
                                        "SLURM_GPUS_ON_NODE): must be a whole number >= 1"]
 
 
-_check: list = []  # [the process, its stdout file, its stderr file]
-
-
-def start_slurm_check() -> list:
-    """scripts/slurm_check.sh, started once. It waits on its daemons for most of its ~30 s, so conftest.py
-    starts it as soon as the test below is collected: it runs beside the tests before it."""
-    if not _check:
-        # PYTHONPATH and the interpreter reach the job's nodes through sbatch's exported environment.
-        env = dict(os.environ, PYTHON=sys.executable, STEPS="3")
-        # Output to files, not pipes: a session that ends before the test reads them leaves no full pipe to block on.
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-        _check.extend([subprocess.Popen(["bash", "scripts/slurm_check.sh"], cwd=REPO, env=env, stdout=out, stderr=err),
-                       out, err])
-    return _check
+def start_slurm_check() -> None:
+    """scripts/slurm_check.sh, started once a session into $SLURM_CHECK_DIR (its stdout, stderr, pid, and its
+    exit status once it ends). It waits on its daemons for most of its ~30 s, so conftest.py starts it as
+    soon as the test below is collected, from the session's main process (under pytest-xdist, its
+    controller): it runs beside the tests before it, and the test may run in any worker."""
+    folder = Path(os.environ["SLURM_CHECK_DIR"])
+    try:
+        (folder / "pid").open("x").close()  # the first caller starts it
+    except FileExistsError:
+        return
+    # PYTHONPATH and the interpreter reach the job's nodes through sbatch's exported environment.
+    env = dict(os.environ, PYTHON=sys.executable, STEPS="3")
+    check = subprocess.Popen(["bash", "-c", 'bash scripts/slurm_check.sh > "$0/out" 2> "$0/err"; echo $? > "$0/rc~"; mv "$0/rc~" "$0/rc"',
+                              str(folder)], cwd=REPO, env=env, start_new_session=True)
+    (folder / "pid").write_text(str(check.pid))
 
 
 @pytest.mark.slow
 @needs_slurm_check
 def test_sbatch_trains_the_debug_config_on_two_nodes():
-    check, out, err = start_slurm_check()
-    try:
-        check.wait(timeout=900)
-    except subprocess.TimeoutExpired:
-        check.kill()
-        check.wait()
-    stdout, stderr = (f.seek(0) or f.read() for f in (out, err))
-    assert check.returncode == 0, stdout + stderr
+    start_slurm_check()
+    folder = Path(os.environ["SLURM_CHECK_DIR"])
+    deadline = time.monotonic() + 900
+    while not (folder / "rc").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    if not (folder / "rc").exists():
+        os.killpg(int((folder / "pid").read_text()), signal.SIGKILL)
+    stdout, stderr = (folder / "out").read_text(), (folder / "err").read_text()
+    assert (folder / "rc").exists() and (folder / "rc").read_text().strip() == "0", stdout + stderr
     assert "trained 3 steps on n[1-2]" in stdout and "COMPLETED" in stdout, stdout

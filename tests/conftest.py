@@ -92,14 +92,32 @@ def pytest_runtest_logreport(report):
             f.write(f"FAILED {report.nodeid} ({report.when}, {report.duration:.1f} s)\n{report.longreprtext}\n\n")
 
 
+@pytest.fixture
+def forked_launches(monkeypatch) -> None:
+    """The tools' launches in this test (tools/parity.py's run_logged: parity's and bench_train's runs) on
+    ranks forked from the session's fork server (spawn_ranks.launch_command), not on the fresh interpreters
+    torchrun starts (~6 s of CPU a rank to import torch and torchtitan). Real torchrun launches of the tools
+    stay in test_all_gather.py and test_bench_train.py."""
+    from spawn_ranks import launch_command
+
+    from torchtitan_moe.tools import parity
+
+    monkeypatch.setattr(parity, "run_logged", launch_command)
+
+
 @pytest.fixture(scope="session")
 def debug_seed(tmp_path_factory) -> Path:
     """The debug config's seed checkpoint as parity writes it (a folder seed-<key> holding
-    checkpoint/step-0 and model_args.json), written once per session by one process."""
+    checkpoint/step-0 and model_args.json), written once per session (a pytest-xdist worker) by one process
+    forked as `forked_launches` forks them."""
+    from spawn_ranks import launch_command
+
     from torchtitan_moe.tools import parity
 
     config = str(Path(__file__).resolve().parents[1] / "configs" / "debug.toml")
-    return parity.seed_checkpoint(config, tmp_path_factory.mktemp("seed"), ["--dispatch.backend", "auto"]).parents[1]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parity, "run_logged", launch_command)
+        return parity.seed_checkpoint(config, tmp_path_factory.mktemp("seed"), ["--dispatch.backend", "auto"]).parents[1]
 
 
 @pytest.fixture

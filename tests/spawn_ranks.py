@@ -18,7 +18,9 @@ import contextlib
 import faulthandler
 import json
 import multiprocessing
+import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import socket
 import sys
@@ -107,12 +109,38 @@ def free_port() -> int:
 PRELOAD = ["torch", "torch.distributed"] if torch.cuda.is_available() else ["rank_preload"]
 
 
+TESTS = Path(__file__).resolve().parent
+_preload_checked: list[bool] = []
+
+
 def _context():
     """Ranks forked from a server started once per session, with PRELOAD imported and no thread running
     (a plain fork of this pytest process would copy its state, locks held by its threads included)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    if not _preload_checked:
+        # The server imports PRELOAD from a sys.path of its own (Python 3.11 drops the one it is handed, which
+        # has tests/) and skips, without a word, a module it cannot import: it starts with tests/ on its
+        # PYTHONPATH, and a first rank checks that it did import PRELOAD.
+        path = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), path]))
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            os.environ.pop("PYTHONPATH") if path is None else os.environ.update(PYTHONPATH=path)
+        missing = ctx.SimpleQueue()
+        probe = ctx.Process(target=_not_imported, args=(PRELOAD, missing))
+        probe.start()
+        probe.join()
+        if not_imported := missing.get():
+            raise RuntimeError(f"the tests' fork server did not import {not_imported} (spawn_ranks.PRELOAD): every "
+                               "rank would import them again")
+        _preload_checked.append(True)
     return ctx
+
+
+def _not_imported(modules: list[str], out) -> None:
+    out.put([m for m in modules if m not in sys.modules])
 
 
 class _Pool:
@@ -251,14 +279,49 @@ def launch_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int = 6
     a session. Every rank's output goes to folder/harness.log. A rank that fails (its traceback is in
     the log) stops the others after GRACE_S, as torchrun does; so does `timeout`. Either fails the test
     with the log's tail. (torchrun itself is tested where users meet it: the README's command, the
-    launcher's tests, SLURM, parity's launches.)"""
+    launcher's tests, SLURM, a parity launch.)"""
     (folder / "plan.json").write_text(json.dumps(plan))
     log = folder / "harness.log"
     log.write_text("")
+    why = _launch(_plan_rank, (str(folder / "plan.json"), str(log), torchrun_env()), nproc, folder / "stack", timeout)
+    if why:
+        pytest.fail(f"{why}; the end of {log}:\n{log.read_text()[-9000:]}")
+
+
+def launch_command(cmd: list[str], log: Path, timeout: int = 600) -> int:
+    """A tool's launch (tools/parity.py's `run_logged`, which bench_train's runs go through too) with its
+    ranks forked from the session's fork server instead of started by torchrun: the tools' tests pay no
+    interpreter start-up a rank. `python -m torch.distributed.run [...] --nproc_per_node=N [...] -m MODULE
+    ARGS` runs MODULE as __main__ on N ranks with torchrun's environment, `python -m MODULE ARGS` on one.
+    The log starts with the command, as run_logged's does; rank 0's output follows, another rank's goes to
+    LOG.rank<r>. Returns the exit status: 1 when a rank failed or was killed, as torchrun's."""
+    if cmd[:2] != [sys.executable, "-m"]:
+        raise ValueError(f"launch_command: not `python -m ...`: {cmd}")
+    if cmd[2] == "torch.distributed.run":
+        at = cmd.index("-m", 3)
+        flags, (module, *argv) = cmd[3:at], cmd[at + 1:]
+        nproc = [int(f.split("=", 1)[1]) for f in flags if f.startswith("--nproc_per_node=")]
+        if len(nproc) != 1:
+            raise ValueError(f"launch_command: no --nproc_per_node=N in {flags}")
+        nproc, torchrun = nproc[0], True
+    else:
+        (module, *argv), nproc, torchrun = cmd[2:], 1, False
+    log.write_text(" ".join(cmd) + "\n")
+    why = _launch(_module_rank, (module, argv, str(log), torchrun_env(), torchrun), nproc,
+                  log.with_name(log.name + ".stack"), timeout)
+    if why:
+        with open(log, "a") as f:
+            f.write(f"launch_command: {why}\n")
+    return 1 if why else 0
+
+
+def _launch(target, args: tuple, nproc: int, stacks: Path, timeout: int) -> str:
+    """Fork target(rank, nproc, port, *args) on `nproc` ranks from the session's fork server and wait ->
+    "" when every rank ended with 0, else what went wrong: the ranks that failed, and those killed (still
+    running GRACE_S after a rank failed, as torchrun stops them, or at `timeout`) with their stacks
+    (written to `stacks`<rank>.txt, as each rank registered with _stacks_on_sigusr1)."""
     ctx, port = _context(), free_port()
-    env = torchrun_env()
-    ranks = [ctx.Process(target=_plan_rank, args=(rank, nproc, port, str(folder / "plan.json"), str(log), env))
-             for rank in range(nproc)]
+    ranks = [ctx.Process(target=target, args=(rank, nproc, port, *args)) for rank in range(nproc)]
     for proc in ranks:
         proc.start()
     deadline, failed_at = time.monotonic() + timeout, None
@@ -270,33 +333,64 @@ def launch_plan(plan: list[dict], folder: Path, nproc: int = 2, timeout: int = 6
             break
         mp_connection.wait([proc.sentinel for proc in ranks if proc.is_alive()], timeout=limit - time.monotonic())
     killed = [rank for rank, proc in enumerate(ranks) if proc.is_alive()]
-    stacks = _kill_with_stacks({rank: ranks[rank] for rank in killed}, {r: folder / f"stack{r}.txt" for r in killed})
+    dumps = {rank: stacks.with_name(f"{stacks.name}{rank}.txt") for rank in killed}
+    stacks_text = _kill_with_stacks({rank: ranks[rank] for rank in killed}, dumps)
     codes = {rank: proc.exitcode for rank, proc in enumerate(ranks) if proc.exitcode != 0 and rank not in killed}
-    if codes or killed:
-        cause = f"the launch ran past {timeout} s" if failed_at is None else "a rank failed"
-        why = f"ranks {killed} killed ({cause}); " if killed else ""
-        pytest.fail(f"{why}exit codes {codes}; the end of {log}:\n{log.read_text()[-9000:]}{stacks}")
+    if not (codes or killed):
+        return ""
+    cause = f"the launch ran past {timeout} s" if failed_at is None else "a rank failed"
+    return (f"ranks {killed} killed ({cause}); " if killed else "") + f"exit codes {codes}{stacks_text}"
 
 
-def _plan_rank(rank: int, world: int, port: int, plan_path: str, log_path: str, env: dict[str, str]) -> None:
-    """One rank of launch_plan: the environment torchrun gives its workers, output to the log, the harness.
+def _as_torchrun_rank(rank: int, world: int, port: int, env: dict[str, str], torchrun: bool, out: str,
+                      stacks: str) -> None:
+    """This forked process as a fresh one torchrun started (`torchrun`: its environment, else a plain
+    process's), its output to `out`, its stacks to `stacks` on SIGUSR1, one intra-op thread.
     (The fork server's modules read TRITON_INTERPRET when it imported them; what a run checks reads this
     environment, and training on the CPU runs no Triton kernel.)"""
     multiprocessing.set_start_method(None, force=True)  # the platform's default, as in a fresh process
     os.environ.clear()
-    os.environ.update(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    fd = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.environ.update(env)
+    # PYTHONPATH's entries first, as a fresh interpreter's (a test's fake DeepEP): the fork server's was read
+    # when it started.
+    sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    if torchrun:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                          GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1), os.dup2(fd, 2)
-    _stacks_on_sigusr1(str(Path(log_path).parent / f"stack{rank}.txt"))
-    import torch
-
+    _stacks_on_sigusr1(stacks)
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read once, at torch's first parallel region
+
+
+def _plan_rank(rank: int, world: int, port: int, plan_path: str, log_path: str, env: dict[str, str]) -> None:
+    """One rank of launch_plan: the harness, every rank's output in the log."""
+    _as_torchrun_rank(rank, world, port, env, True, log_path, str(Path(log_path).parent / f"stack{rank}.txt"))
     import resume_harness
 
     code = resume_harness.main(plan_path)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(code)  # (no atexit handlers of the fork server's modules)
+
+
+def _module_rank(rank: int, world: int, port: int, module: str, argv: list[str], log_path: str, env: dict[str, str],
+                 torchrun: bool) -> None:
+    """One rank of launch_command: `python -m module *argv`."""
+    _as_torchrun_rank(rank, world, port, env, torchrun, log_path if rank == 0 else f"{log_path}.rank{rank}",
+                      f"{log_path}.stack{rank}.txt")
+    sys.argv = [module, *argv]
+    code = 0
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as e:  # as the interpreter would: a message is printed, exit status 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
 
 
 def train_debug(dump: Path, *overrides: str, nproc: int = 2) -> list[dict]:

@@ -237,7 +237,7 @@ def torchrun(*args: str, env: dict, timeout: int = 600) -> subprocess.CompletedP
 
 @pytest.mark.slow
 @cpu_only
-def test_training_with_deepep_matches_all_to_all_under_checkpointing(parity_out, monkeypatch):
+def test_training_with_deepep_matches_all_to_all_under_checkpointing(parity_out, monkeypatch, forked_launches):
     # bf16 FSDP2 mixed precision, EP = 2, full activation checkpointing: the same losses to the bit.
     from torchtitan_moe.tools.parity import main as parity
 

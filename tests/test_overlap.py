@@ -291,7 +291,7 @@ def test_split_routing_counts_each_chunk_and_keeps_the_losses_whole():
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo parity run")
-def test_training_with_chunks_matches_one_chunk(parity_out):
+def test_training_with_chunks_matches_one_chunk(parity_out, forked_launches):
     # The trainer: FSDP2, EP = 2, full activation checkpointing (the recompute replays both chunks'
     # exchanges), exact and worst-case buffers, fp32, one launch. Losses and grad norms within the
     # harness's 1e-5 (fp32 summation order: the experts' weight gradients are two partial sums).
@@ -308,7 +308,7 @@ def test_training_with_chunks_matches_one_chunk(parity_out):
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU/gloo runs with the fake deep_ep")
-def test_training_with_deepep_chunks_matches_one_chunk(parity_out, monkeypatch):
+def test_training_with_deepep_chunks_matches_one_chunk(parity_out, monkeypatch, forked_launches):
     # The fake DeepEP in the trainer: bf16 FSDP2 mixed precision, full activation checkpointing. In bf16
     # each chunk's expert weight gradient is rounded to bf16 before the two are added (one rounding
     # unchunked): grad norms 2.2e-5 apart after 4 steps, losses 2.5e-6 (measured); within 1e-4.

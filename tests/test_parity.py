@@ -142,7 +142,7 @@ def test_one_launch_trains_every_run_in_one_torchrun_and_names_the_failed_one(tm
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo parity run; GPU parity is in the worklogs")
-def test_ep_1_2_4_losses_and_grad_norms_agree(parity_out, capsys):
+def test_ep_1_2_4_losses_and_grad_norms_agree(parity_out, capsys, forked_launches):
     code = main([str(ROOT / "configs" / "debug.toml"), "--vary", "parallelism.expert_parallel_degree=1,2,4",
                  "--steps", "6", "--nproc", "4", "--out", str(parity_out), "--one-launch"])
     report = (parity_out / "parity.md").read_text()

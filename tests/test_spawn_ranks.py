@@ -1,10 +1,14 @@
 """The multi-rank harness (tests/spawn_ranks.py) fails fast: ranks that raise are named with their
 tracebacks, peers left waiting in a collective are killed within seconds, a collective waiting for a
-peer that never comes times out, and a body past its deadline is killed."""
+peer that never comes times out, a body past its deadline is killed, and the fork server ranks come from
+imported what it preloads."""
 
 import re
+import subprocess
+import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -83,3 +87,14 @@ def test_a_body_past_its_deadline_is_killed():
     assert time.monotonic() - start < 3 + 15
     for rank in (0, 1):  # where each was stuck, down to the line
         assert re.search(rf"rank {rank} was stuck in:\n(.*\n)*.*line \d+ in sleeping_worker", str(failure.value))
+
+
+def test_a_fork_server_that_did_not_import_the_preload_is_an_error():
+    # Python 3.11's fork server skips a preload module it cannot import without a word (each rank would then
+    # pay the imports again, ~6 s of CPU): spawn_ranks checks that it imported them.
+    code = ("import spawn_ranks; spawn_ranks.PRELOAD = ['no_such_module_anywhere']\n"
+            "if __name__ == '__main__': spawn_ranks._context()")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(spawn_ranks.__file__).parent, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 1 and ("RuntimeError: the tests' fork server did not import ['no_such_module_anywhere'] "
+                                    "(spawn_ranks.PRELOAD)") in run.stderr, run.stderr

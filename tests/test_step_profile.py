@@ -178,7 +178,7 @@ def test_profiled_steps_are_left_out_of_the_medians():
 
 
 @pytest.mark.slow
-def test_bench_train_profile_on_cpu(tmp_path):
+def test_bench_train_profile_on_cpu(tmp_path, forked_launches):
     # torchtitan's [profiling] through our trainer on a CPU machine (the shim gives its profiler the
     # host alone), the trace found and broken down in the report.
     code = bench_train.main([str(ROOT / "configs" / "debug.toml"), "--steps", "6", "--warmup", "1", "--nproc", "1",

@@ -114,8 +114,10 @@ _preload_checked: list[bool] = []
 
 
 def _context():
-    """Ranks forked from a server started once per session, with PRELOAD imported and no thread running
-    (a plain fork of this pytest process would copy its state, locks held by its threads included)."""
+    """Ranks forked from a server started once per session, with PRELOAD imported and no Python thread
+    running (a plain fork of this pytest process would copy its state, locks held by its threads included;
+    the server's native threads, numpy's OpenBLAS server and pyarrow's jemalloc thread, belong to libraries
+    that hold their locks across a fork)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     if not _preload_checked:

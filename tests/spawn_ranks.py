@@ -14,6 +14,7 @@ run_ranks' `deadline_s`). The test's failure names each rank that failed, with i
 the ranks that were killed, with the Python stack each was stuck in (faulthandler, on SIGUSR1).
 """
 
+import atexit
 import contextlib
 import faulthandler
 import json
@@ -21,6 +22,7 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import runpy
+import shutil
 import signal
 import socket
 import sys
@@ -155,7 +157,9 @@ class _Pool:
         ctx = _context()
         self.failures = ctx.SimpleQueue()
         self.conns, self.procs = [], []
-        self.dumps = {rank: Path(tempfile.mkdtemp(prefix="ranks")) / f"stack{rank}.txt" for rank in range(world)}
+        self.stacks = Path(tempfile.mkdtemp(prefix="rank-stacks-"))  # where a stuck rank writes its stacks
+        atexit.register(shutil.rmtree, self.stacks, ignore_errors=True)
+        self.dumps = {rank: self.stacks / f"stack{rank}.txt" for rank in range(world)}
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(rank, child, self.failures, str(self.dumps[rank])), daemon=True)

@@ -322,12 +322,13 @@ def launch_command(cmd: list[str], log: Path, timeout: int = 600) -> int:
 
 
 def _launch(target, args: tuple, nproc: int, stacks: Path, timeout: int) -> str:
-    """Fork target(rank, nproc, port, *args) on `nproc` ranks from the session's fork server and wait ->
-    "" when every rank ended with 0, else what went wrong: the ranks that failed, and those killed (still
-    running GRACE_S after a rank failed, as torchrun stops them, or at `timeout`) with their stacks
-    (written to `stacks`<rank>.txt, as each rank registered with _stacks_on_sigusr1)."""
+    """Fork target(rank, nproc, port, stack_file, *args) on `nproc` ranks from the session's fork server and
+    wait -> "" when every rank ended with 0, else what went wrong: the ranks that failed, and those killed
+    (still running GRACE_S after a rank failed, as torchrun stops them, or at `timeout`) with the stacks
+    each wrote to its stack_file (`stacks`<rank>.txt, registered with _stacks_on_sigusr1)."""
     ctx, port = _context(), free_port()
-    ranks = [ctx.Process(target=target, args=(rank, nproc, port, *args)) for rank in range(nproc)]
+    files = {rank: stacks.with_name(f"{stacks.name}{rank}.txt") for rank in range(nproc)}
+    ranks = [ctx.Process(target=target, args=(rank, nproc, port, str(files[rank]), *args)) for rank in range(nproc)]
     for proc in ranks:
         proc.start()
     deadline, failed_at = time.monotonic() + timeout, None
@@ -339,8 +340,7 @@ def _launch(target, args: tuple, nproc: int, stacks: Path, timeout: int) -> str:
             break
         mp_connection.wait([proc.sentinel for proc in ranks if proc.is_alive()], timeout=limit - time.monotonic())
     killed = [rank for rank, proc in enumerate(ranks) if proc.is_alive()]
-    dumps = {rank: stacks.with_name(f"{stacks.name}{rank}.txt") for rank in killed}
-    stacks_text = _kill_with_stacks({rank: ranks[rank] for rank in killed}, dumps)
+    stacks_text = _kill_with_stacks({rank: ranks[rank] for rank in killed}, files)
     codes = {rank: proc.exitcode for rank, proc in enumerate(ranks) if proc.exitcode != 0 and rank not in killed}
     if not (codes or killed):
         return ""
@@ -369,9 +369,10 @@ def _as_torchrun_rank(rank: int, world: int, port: int, env: dict[str, str], tor
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read once, at torch's first parallel region
 
 
-def _plan_rank(rank: int, world: int, port: int, plan_path: str, log_path: str, env: dict[str, str]) -> None:
+def _plan_rank(rank: int, world: int, port: int, stacks: str, plan_path: str, log_path: str,
+               env: dict[str, str]) -> None:
     """One rank of launch_plan: the harness, every rank's output in the log."""
-    _as_torchrun_rank(rank, world, port, env, True, log_path, str(Path(log_path).parent / f"stack{rank}.txt"))
+    _as_torchrun_rank(rank, world, port, env, True, log_path, stacks)
     import resume_harness
 
     code = resume_harness.main(plan_path)
@@ -379,11 +380,10 @@ def _plan_rank(rank: int, world: int, port: int, plan_path: str, log_path: str, 
     os._exit(code)  # (no atexit handlers of the fork server's modules)
 
 
-def _module_rank(rank: int, world: int, port: int, module: str, argv: list[str], log_path: str, env: dict[str, str],
-                 torchrun: bool) -> None:
+def _module_rank(rank: int, world: int, port: int, stacks: str, module: str, argv: list[str], log_path: str,
+                 env: dict[str, str], torchrun: bool) -> None:
     """One rank of launch_command: `python -m module *argv`."""
-    _as_torchrun_rank(rank, world, port, env, torchrun, log_path if rank == 0 else f"{log_path}.rank{rank}",
-                      f"{log_path}.stack{rank}.txt")
+    _as_torchrun_rank(rank, world, port, env, torchrun, log_path if rank == 0 else f"{log_path}.rank{rank}", stacks)
     sys.argv = [module, *argv]
     code = 0
     try:

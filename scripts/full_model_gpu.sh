@@ -6,10 +6,12 @@
 #   lb2     local batch 2, fp32 AdamW moments (the config as shipped): torchtitan and ours (all_to_all)
 #   lb4     local batch 4, bf16 AdamW moments (lb 4 does not fit with fp32 moments: the planner's breakdown):
 #           torchtitan and ours, the same optimizer for both (components/optimizer.py builds both)
+#   lb8     local batch 8, bf16 AdamW moments, the recompute exchanging again ([dispatch] recompute =
+#           "exchange": no received rows kept for it, -22 GiB at lb 4): torchtitan and ours
 #   accum   ours at local batch 2 x 16 micro-batches = 524,288 tokens a step, bf16 moments (accumulation keeps
 #           the experts' gradients in fp32: +13.5 GiB, which fp32 moments leave no room for)
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
-# tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
+# tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
 # the steps; PROFILE=1 adds ours' step-time breakdown to lb2 (3 more steps). BUDGET (default 560 s) bounds
 # the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
 # still tabled (bench_train --report). Runs finished on a warm machine are kept in WORK (default
@@ -21,7 +23,7 @@
 # Wheels carried in .whl (see the device notes) are installed first.
 set -uo pipefail
 out=${1:-${OUT:?usage: scripts/full_model_gpu.sh OUT}}
-stages=${STAGES:-lb2 lb4 accum}
+stages=${STAGES:-lb2 lb4 lb8 accum}
 work=${WORK:-/tmp/full_model_gpu}
 steps=${STEPS:-6}
 warmup=${WARMUP:-2}
@@ -86,6 +88,8 @@ has lb2 && stage lb2 "$lb2_steps" "$warmup" --models torchtitan,all_to_all ${PRO
     -- --training.local_batch_size 2
 has lb4 && stage lb4 "$steps" "$warmup" --models torchtitan,all_to_all \
     -- --training.local_batch_size 4 --optimizer.moments_dtype bfloat16
+has lb8 && stage lb8 "$steps" "$warmup" --models torchtitan,all_to_all \
+    -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --dispatch.recompute exchange
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models all_to_all --grad-accum 16 \
     -- --training.local_batch_size 2 --optimizer.moments_dtype bfloat16
 

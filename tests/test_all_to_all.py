@@ -56,6 +56,49 @@ def test_a_layer_makes_seven_exchanges_and_six_with_worst_case_buffers():
     run_ranks(exchanges_worker, 2)
 
 
+def recompute_worker(rank: int, world: int, port: int, failures):
+    with rank_group(rank, world, port, failures):
+        torch.manual_seed(100 + rank)
+        x, grad = torch.randn(2, 7, DIM), torch.randn(2, 7, DIM)
+        mine = slice(rank * EXPERTS // world, (rank + 1) * EXPERTS // world)
+        # (buffers, recompute) -> exchanges and host reads in forward + recompute + backward, and whether the
+        # forward keeps rows: replay makes no exchange again; "exchange" makes the forward's again without
+        # its counts (kept: no host read again), and keeps no tensor.
+        expected = {("exact", "replay"): (7, 1, True), ("exact", "exchange"): (10, 1, False),
+                    ("worst_case", "replay"): (6, 0, True), ("worst_case", "exchange"): (9, 0, False)}
+        for (buffers, recompute), (exchanges, reads, keeps_rows) in expected.items():
+            layer = make_layer("none", False)
+            for name in ("w13", "w2"):
+                setattr(layer.experts, name, torch.nn.Parameter(getattr(layer.experts, name).detach()[mine].clone()))
+            layer.set_dispatcher(AllToAllDispatcher(EXPERTS, dist.group.WORLD, buffers=buffers))
+            plain = forward_backward(layer, x, grad)
+            layer.zero_grad(set_to_none=True)
+            layer.dispatcher.keep_exchanges, layer.dispatcher.recompute = True, recompute
+            calls: list = []
+            original = dist.all_to_all_single
+            count_exchanges(calls)
+            try:
+                with HostSyncs() as syncs:
+                    xc = x.clone().requires_grad_()
+                    out = checkpoint(layer, xc, use_reentrant=False)
+                    kept = [t for item in layer.dispatcher._kept for t in (item if isinstance(item, list) else [item])]
+                    out.backward(grad)
+            finally:
+                dist.all_to_all_single = original
+            got = (out.detach(), xc.grad, layer.router.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad)
+            what = f"{buffers}, recompute {recompute!r}"
+            for name, a, b in zip(("out", "grad x", "grad gate", "grad w13", "grad w2"), got, plain):
+                assert torch.equal(a, b), f"{what}: {name} differs from the run without checkpointing"
+            assert len(calls) == exchanges, f"{what}: {len(calls)} all-to-all calls"
+            assert syncs.count == reads, f"{what}: {syncs.count} host reads"
+            assert any(isinstance(t, torch.Tensor) for t in kept) == keeps_rows, f"{what}: kept {kept}"
+            assert not layer.dispatcher._kept, f"{what}: kept items left after the backward"
+
+
+def test_a_recompute_replays_or_exchanges_again_with_the_kept_sizes():
+    run_ranks(recompute_worker, 2)
+
+
 interpreter_only = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton kernels on CPU tensors need the "
                                       "interpreter; on a GPU test_gpu_e2e.py runs the dispatcher's kernels compiled")
 

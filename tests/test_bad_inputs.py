@@ -104,6 +104,7 @@ TYPES = [
     ("dispatch", "backend", "nvshmem", "[dispatch] backend", "'auto' | 'local' | 'all_to_all' | 'deepep'"),
     ("dispatch", "buffers", "huge", "[dispatch] buffers", "'exact' | 'worst_case'"),
     ("dispatch", "overlap", "both", "[dispatch] overlap", "'none' | 'chunks'"),
+    ("dispatch", "recompute", "again", "[dispatch] recompute", "'replay' | 'exchange'"),
     ("kernels", "backend", "cuda", "[kernels] backend", "'auto' | 'torch' | 'triton'"),
     ("moe", "padding", "sometimes", "[moe] padding", "'none' | 'auto' | 'always'"),
     ("router", "balance_loss", "batch", "[router] balance_loss", "'none'"),
@@ -150,6 +151,10 @@ OTHERS = [
      "[dispatch] num_sms = 32 sets DeepEP's SMs"),
     (["--dispatch.overlap", "chunks"], "[dispatch] overlap = 'chunks' overlaps the exchanges between EP ranks: it needs "
      "[parallelism] expert_parallel_degree > 1 (got 1)"),
+    (["--dispatch.recompute", "exchange"], "[dispatch] recompute = 'exchange' is what an activation-checkpointing "
+     "recompute does for the exchanges between EP ranks: it needs [parallelism] expert_parallel_degree > 1 (got 1)"),
+    (["--dispatch.recompute", "exchange", "--parallelism.expert_parallel_degree", "2", "--nproc", "2",
+      "--activation_checkpoint.mode", "none"], "and [activation_checkpoint] mode 'full' or 'selective' (got 'none')"),
     (["--parallelism.expert_parallel_degree", "4", "--nproc", "2"], "must divide the FSDP group size (2 of 2 processes)"),
     (["--parallelism.data_parallel_replicate_degree", "3", "--nproc", "2"],
      "[parallelism] data_parallel_replicate_degree = 3: must divide the number of processes (2)"),

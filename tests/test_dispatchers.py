@@ -6,7 +6,8 @@ dispatcher's on the same tokens with every expert on one rank, on gloo ranks at 
 takes (deepep through the fake deep_ep at tests/fakes/deep_ep; in bf16, which it needs). Cases: random
 routing; padded groups; a zero gate (every token to experts 0..2: zero-token experts, ranks that receive
 nothing); one expert taking every token; activation checkpointing (the recompute replays: the same
-results to the bit and no collective more than without); each of the buffers the entry sizes by; the
+results to the bit and no collective more than without; or it exchanges again: the same results to the
+bit, more collectives, no rows kept); each of the buffers the entry sizes by; the
 Triton kernels (under the interpreter on CPU); inductor (slow). On 2 GPUs (marked gpu): NCCL, Triton.
 What is particular to one dispatcher (its calls, its layout, its transport) is in its own test file.
 
@@ -53,7 +54,7 @@ def dtype_of(entry: registry.Entry) -> torch.dtype:
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str  # the registry entry
-    what: str  # random, padded, zero_gate, one_expert, checkpoint, triton, compiled
+    what: str  # random, padded, zero_gate, one_expert, checkpoint, checkpoint_exchange, triton, compiled
     world: int
     padding: str = "none"
     buffers: str = "exact"
@@ -80,6 +81,8 @@ def cases(entry: registry.Entry) -> list:
              Case(entry.name, "zero_gate", big, "none", buffers[0]),
              Case(entry.name, "one_expert", small, "always", buffers[-1])]
     found += [Case(entry.name, "checkpoint", w, p, b) for b, w, p in zip(buffers, (small, big), ("always", "none"))]
+    found += [Case(entry.name, "checkpoint_exchange", w, p, b) for b, w, p in zip(buffers, (big, small), ("none", "always"))
+              if w > 1]
     found += [Case(entry.name, "triton", small, "always", b, "triton") for b in buffers]
     found = [c for c in found if not (c.world == 1 and c.padding == "none" and c.kernels == "torch")]
     params = [pytest.param(c, id=c.id, marks=[interpreter_only] if c.kernels == "triton" else []) for c in found]
@@ -89,7 +92,8 @@ def cases(entry: registry.Entry) -> list:
         params.append(pytest.param(compiled, id=compiled.id, marks=pytest.mark.slow))
         gpu = Case(entry.name, "checkpoint", 2, "always", buffers[-1], "triton", gpus=True)
         params += [pytest.param(c, id=c.id, marks=[pytest.mark.gpu, two_gpus]) for c in
-                   (dataclasses.replace(gpu, what="random", padding="none", buffers=buffers[0]), gpu) if entry.takes_ep(2)]
+                   (dataclasses.replace(gpu, what="random", padding="none", buffers=buffers[0]), gpu,
+                    dataclasses.replace(gpu, what="checkpoint_exchange", buffers=buffers[0])) if entry.takes_ep(2)]
     return params
 
 
@@ -116,15 +120,26 @@ def make_layer(case: Case, dtype: torch.dtype, padding: str = "none", kernels: s
     return layer
 
 
-def forward_backward(layer, x: torch.Tensor, grad: torch.Tensor, use_checkpoint: bool = False, compiler=None):
+def forward_backward(layer, x: torch.Tensor, grad: torch.Tensor, use_checkpoint: bool = False, compiler=None,
+                     after_forward=lambda: None):
     """(out, grad x, grad gate, grad w13, grad w2) and the collectives the layer's forward and backward made."""
     model = torch.compile(layer, backend=compiler) if compiler else layer
     x = x.clone().requires_grad_()
     with counting_collectives() as calls:
         out = checkpoint(model, x, use_reentrant=False) if use_checkpoint else model(x)
+        after_forward()
         out.backward(grad)
     grads = (x.grad, layer.router.gate.weight.grad, layer.experts.w13.grad, layer.experts.w2.grad)
     return (out.detach(), *grads), calls
+
+
+def rows_in(kept) -> int:
+    """Rows of DIM values among what a dispatcher kept (tensors, nested in tuples and lists)."""
+    if isinstance(kept, torch.Tensor):
+        return kept.shape[0] if kept.dim() == 2 and kept.shape[1] == DIM else 0
+    if isinstance(kept, (tuple, list)) or type(kept).__name__ == "deque":
+        return sum(rows_in(k) for k in kept)
+    return 0
 
 
 @contextlib.contextmanager
@@ -169,14 +184,18 @@ def compare(rank: int, case: Case, device: torch.device) -> None:
             dist.all_reduce(g)
 
     layer, mine = subject(case, entry, dtype, rank, device)
-    use_checkpoint = case.what == "checkpoint"
+    use_checkpoint = case.what.startswith("checkpoint")
+    recompute = "exchange" if case.what == "checkpoint_exchange" else "replay"
+    kept_rows: list = []
     if use_checkpoint:
         plain, plain_calls = forward_backward(layer, x, grad)
         layer.zero_grad(set_to_none=True)
         layer, _ = subject(case, entry, dtype, rank, device)  # a fresh dispatcher: nothing kept, nothing checked yet
         if isinstance(layer.dispatcher, ReplaysExchanges):
-            layer.dispatcher.keep_exchanges = True
-    got, calls = forward_backward(layer, x, grad, use_checkpoint, "inductor" if case.what == "compiled" else None)
+            layer.dispatcher.keep_exchanges, layer.dispatcher.recompute = True, recompute
+            kept_rows = [layer.dispatcher._kept]  # what the forward keeps, looked at before the backward
+    after = (lambda: kept_rows.append(rows_in(kept_rows[0]))) if kept_rows else (lambda: None)
+    got, calls = forward_backward(layer, x, grad, use_checkpoint, "inductor" if case.what == "compiled" else None, after)
 
     # bf16: the ranks' partial sums rounded before they are added, the expert gradients summed in another
     # order; fp32: summation order (and inductor's fusions, the GPUs' GEMM tiles).
@@ -188,10 +207,16 @@ def compare(rank: int, case: Case, device: torch.device) -> None:
             assert_close_to_max(a.float(), b.float(), rel, f"rank {rank}: {name}")
     if isinstance(layer.dispatcher, ReplaysExchanges):
         assert not layer.dispatcher._kept, f"rank {rank}: kept exchanges left after the backward"
-    if use_checkpoint:  # the recompute replayed what the forward kept: the same results, no exchange again
+    if use_checkpoint:  # the same results; replayed: no exchange again; exchanged again: more, and no rows kept
         for name, a, b in zip(NAMES, got, plain):
             assert torch.equal(a, b), f"rank {rank}: {name} under activation checkpointing differs"
-        assert calls == plain_calls, f"rank {rank}: collectives {calls} checkpointed, {plain_calls} without"
+        if recompute == "replay":
+            assert calls == plain_calls, f"rank {rank}: collectives {calls} checkpointed, {plain_calls} without"
+            assert not kept_rows or kept_rows[1] > 0, f"rank {rank}: the forward kept no rows to replay"
+        else:
+            assert len(calls) > len(plain_calls), f"rank {rank}: collectives {calls} exchanging again, {plain_calls} without"
+            if kept_rows:
+                assert kept_rows[1] == 0, f"rank {rank}: the forward kept {kept_rows[1]} rows for a recompute that exchanges"
 
 
 def worker(rank: int, world: int, port: int, case: Case, failures) -> None:
@@ -256,7 +281,8 @@ def test_problem_refuses_exactly_the_runs_a_dispatcher_does_not_take(name):
 
 def config(backend: str, run: Run) -> SimpleNamespace:
     return SimpleNamespace(dispatch=SimpleNamespace(backend=backend, overlap=run.overlap, buffers=run.buffers, num_sms=0,
-                                                    tuned_file=""),
+                                                    tuned_file="", recompute="replay"),
+                           activation_checkpoint=SimpleNamespace(mode="none"),
                            training=SimpleNamespace(mixed_precision_param=run.param_dtype),
                            model=SimpleNamespace(name="qwen3_moe"), kernels=SimpleNamespace(backend="torch"),
                            parallelism=SimpleNamespace(expert_parallel_degree=run.ep))

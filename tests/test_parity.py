@@ -156,10 +156,12 @@ cpu_run = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU/gloo par
 
 @pytest.fixture(scope="module")
 def ep2_runs(tmp_path_factory) -> Path:
-    """Three 10-step runs of the debug config at EP = 2 on 2 processes, in one launch (they start from the
-    same weights: one mesh, one [debug] seed): activation checkpointing off, on, and on with torch.compile."""
+    """Four 10-step runs of the debug config at EP = 2 on 2 processes, in one launch (they start from the
+    same weights: one mesh, one [debug] seed): activation checkpointing off, on (its recompute replaying the
+    exchanges, or exchanging again), and on with torch.compile."""
     d = tmp_path_factory.mktemp("ep2")
     runs = {"none": ["--activation_checkpoint.mode", "none"], "full": ["--activation_checkpoint.mode", "full"],
+            "exchange": ["--activation_checkpoint.mode", "full", "--dispatch.recompute", "exchange"],
             "compiled": ["--activation_checkpoint.mode", "full", "--compile.enable"]}
     launch_plan([{"train": ["--job.dump_folder", str(d / name), "--parallelism.expert_parallel_degree", "2",
                               "--training.steps", "10", *overrides], "log": str(d / name)}
@@ -173,6 +175,10 @@ def test_activation_checkpointing_under_ep_changes_nothing(ep2_runs):
     # The recompute replays the kept all-to-all results: same losses to the bit, same counts, and the
     # same aux loss (debug.toml's global-batch balance loss): a recompute counts nothing again.
     c = compare("mode=full", read_metrics(ep2_runs / "none"), read_metrics(ep2_runs / "full"))
+    assert c.loss_bitwise and c.grad_norm == 0 and c.aux_loss == 0 and c.load == 0, c
+    # Or the recompute exchanges again (the rows and their way back, with the split sizes its forward kept).
+    assert "MoE layers exchanges again ([dispatch] recompute = 'exchange')" in (ep2_runs / "exchange.out").read_text()
+    c = compare("recompute=exchange", read_metrics(ep2_runs / "none"), read_metrics(ep2_runs / "exchange"))
     assert c.loss_bitwise and c.grad_norm == 0 and c.aux_loss == 0 and c.load == 0, c
 
 

@@ -84,6 +84,21 @@ def test_the_breakdown_of_the_shipped_4_gpu_config():
     assert "| bf16 AdamW moments | 100.4 | -28.4 | yes | yes |" in text
 
 
+def test_the_breakdown_reads_how_the_config_recomputes_its_exchanges():
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = plan.main([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown", "--dispatch.recompute",
+                          "exchange"])
+    text = out.getvalue()
+    assert code == 0, text
+    exchanging = plan.memory(FULL, EP4, Run(4096, 2, 8, "exact", 2, keep_exchanges=False)).total / GIB
+    assert f"| total | torch's peak reserved, predicted | {exchanging:.1f} |" in text
+    assert "| activations | exchanges kept for the recompute | 0.00 |" in text
+    replaying = plan.memory(FULL, EP4, Run(4096, 2, 8, "exact", 2)).total / GIB
+    assert f"| the recompute replays its exchanges (kept for it) | {replaying:.1f} | +{replaying - exchanging:.1f} " \
+           "| no | yes |" in text
+
+
 def test_the_breakdown_refuses_what_it_cannot_model():
     with pytest.raises(plan.ConfigError, match=r"\[activation_checkpoint\] mode = 'selective', selective_ac_option = '2'"):
         plan.report([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown",

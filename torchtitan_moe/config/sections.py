@@ -91,6 +91,12 @@ class Dispatch:
     """EP > 1: 'exact' sizes the received rows from their counts (one host sync per MoE layer);
     'worst_case' for the most a rank can receive: no host sync, more memory (dispatch/all_to_all.py)."""
 
+    recompute: Literal["replay", "exchange"] = "replay"
+    """EP > 1 under activation checkpointing, what the recomputed forward does for its exchanges: 'replay'
+    what the first forward kept (no network time; memory: every checkpointed layer's received rows until
+    its backward, 0.23 GiB a layer at Qwen3-30B-A3B, EP 4, local batch 2), or 'exchange' the rows again
+    (network time; the split sizes or DeepEP's handle kept: no host sync). dispatch/replay.py."""
+
     overlap: Literal["none", "chunks"] = "none"
     """EP > 1: 'chunks' splits each MoE layer's tokens in two, one chunk's dispatch or combine in
     flight while the other's experts compute (moe/chunks.py); opt-in: slower at 30B-A3B shapes on 2 H200s."""
@@ -466,6 +472,11 @@ def check_dispatch(cfg: Any, ep: int) -> None:
     _need(cfg.dispatch.overlap == "none" or ep > 1,
           f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
           f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")
+    recompute = cfg.dispatch.recompute
+    _need(recompute == "replay" or (ep > 1 and cfg.activation_checkpoint.mode != "none"),
+          f"[dispatch] recompute = {recompute!r} is what an activation-checkpointing recompute does for the exchanges "
+          f"between EP ranks: it needs [parallelism] expert_parallel_degree > 1 (got {ep}) and [activation_checkpoint] "
+          f"mode 'full' or 'selective' (got {cfg.activation_checkpoint.mode!r}); use 'replay'")
     num_sms = cfg.dispatch.num_sms
     _need(num_sms == 0 or (num_sms >= 2 and num_sms % 2 == 0),
           f"[dispatch] num_sms = {num_sms}: must be 0 (the tuned file's, else DeepEP's default) or an even number >= 2")

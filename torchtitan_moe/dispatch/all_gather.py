@@ -24,7 +24,8 @@ this dispatcher takes EP = 2 only (dispatch/registry.py, which builds it).
 
 On CPU (gloo) the same two calls run on torch.distributed's all_gather (CollectiveTransport).
 Under activation checkpointing the recompute replays the kept results (copies: the all-gather's
-results live in the transport's inbox only until its next call).
+results live in the transport's inbox only until its next call), or gathers again ([dispatch]
+recompute = "exchange": nothing kept; no host sync either way).
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ class AllGatherDispatcher(ReplaysExchanges):
             with torch.no_grad():  # started before the tokens' views are waited for: see PeerMemoryTransport
                 routed = self.transport.start_all_gather([routing.experts, routing.probs.detach().float()])
                 (gathered_x,), (experts, probs) = sent[1].wait(), routed.wait()
-            if self.keep_exchanges and torch.is_grad_enabled():  # the inbox is reused: keep copies
+            if self._keeping():  # the inbox is reused: keep copies
                 self._keep((gathered_x.clone(), experts.clone(), probs.clone()))
         transport, kept = self.transport, self._kept
 

@@ -35,8 +35,9 @@ Qwen3-30B-A3B (D = 2048, I = 768, E = 128, K = 8), T = 8192 tokens/rank, align 1
 side costs nothing more (T min(K, P) rows either way at P <= K). Hence a switch, "exact" by default.
 
 Everything but the exchanges is gather-based and deterministic (ops.gather_rows/combine).
-Under activation checkpointing the recomputed forward replays the exchanges it kept from
-the first forward (`keep_exchanges`) instead of communicating again.
+Under activation checkpointing (`keep_exchanges`) the recomputed forward either replays the
+exchanges it kept from the first forward, or exchanges the rows again with the split sizes the
+first forward kept: no host sync either way (dispatch/replay.py, [dispatch] recompute).
 
 `chunk` (start_dispatch): the chunked schedule's dispatches of one forward (moe/chunks.py); a
 dispatch with exact buffers queues its exchange at `send()`, which that schedule calls before the
@@ -69,7 +70,7 @@ class _Rows(NamedTuple):
 class _Counts:
     """Split sizes on their way to the host: a copy started on the stream, waited for later, so
     the CPU queues independent work before it blocks (the GPU then has work while the CPU waits
-    and catches up; on a one-rank group the gain was within run-to-run noise). Built from kept sizes under an activation-checkpointing replay."""
+    and catches up; on a one-rank group the gain was within run-to-run noise). Built from the kept sizes in an activation-checkpointing recompute."""
 
     def __init__(self, sizes, ep_size: int = 0):
         self.ep_size = ep_size
@@ -128,7 +129,7 @@ class AllToAllDispatcher(ReplaysExchanges):
     def _plan_exchange(self, counts: torch.Tensor, chunk: int) -> _Counts:
         """counts [P, 2] (rows, slots) to each rank -> rows to/from each rank, slots received,
         on their way to the host (read them with `.wait()`)."""
-        if self._replaying():
+        if self._recomputing():
             return _Counts(self._replayed())
         self._first_exchange(chunk)
         one_row = [1] * self.ep_size
@@ -180,8 +181,7 @@ class AllToAllDispatcher(ReplaysExchanges):
 
     def _launch_exact(self, rows, meta, send_index, counts: _Counts, top_k: int) -> _Started:
         send_rows, recv_rows, recv_slots = sizes = counts.wait()  # the host sync
-        if not self._replaying():
-            self._keep(sizes)
+        self._keep_plan(sizes)
         num_send = sum(send_rows)
         outs, done = self._start_exchange([rows[:num_send], meta[:num_send]], send_rows, recv_rows)
         sent = _Rows(send_index.inv, send_index.row_slot[:num_send], top_k, send_index.num_rows)
@@ -192,7 +192,7 @@ class AllToAllDispatcher(ReplaysExchanges):
         no slot): the splits are known without asking the device, and the receiver finds its
         rows' experts in their metadata (-1: a tail row)."""
         num_tokens, top_k = experts.shape
-        if not self._replaying():
+        if not self._recomputing():
             self._first_exchange(chunk)
         sent = fixed_capacity(send_index, rank_slots, num_tokens, self.ep_size)
         rows = ops.gather_rows(x, sent, backend=self.kernels)  # [P T, D]

@@ -22,7 +22,8 @@ E/P) slots. The memory it costs is the all-to-all dispatcher's (dispatch/all_to_
 DeepEP's combine is a plain sum (fp32, in rank order, rounded to bf16): the probabilities were
 applied in swiglu_prob. Backward: dispatch's is a DeepEP combine (of the rows' and the probs'
 gradients), combine's a DeepEP dispatch with the cached handle. Under activation
-checkpointing the recompute replays the kept results: no second exchange, no second host sync.
+checkpointing ([dispatch] recompute, dispatch/replay.py) the recompute replays the kept results,
+or dispatches the rows again by the kept handle and slots; no second host sync either way.
 """
 
 from __future__ import annotations
@@ -88,8 +89,11 @@ class DeepEPDispatcher(ReplaysExchanges):
 
     @torch.compiler.disable
     def _exchange(self, x: torch.Tensor, routing: Routing, chunk: int) -> tuple[torch.Tensor, torch.Tensor, Dispatched]:
-        if self._replaying():
+        if self._recomputing():
             d = self._replayed()
+            if self.recompute == "exchange":  # the rows again by the kept handle: no layout, no host sync
+                with torch.no_grad():
+                    d = d._replace(x=self.backend.dispatch_again(x.detach(), d.handle))
         else:
             self._first_exchange(chunk)
             # Worst case: every token of every rank comes here (equal T on every rank, as in training).
@@ -97,7 +101,7 @@ class DeepEPDispatcher(ReplaysExchanges):
             with torch.no_grad():
                 d = self.backend.dispatch(x.detach(), routing.experts, routing.probs.detach(), self.num_experts,
                                           num_worst_tokens=worst)
-            self._keep(d)
+            self._keep_plan(d if self.recompute == "replay" else d._replace(x=None, done=None))  # "exchange": no rows
         backend, handle, kept = self.backend, d.handle, self._kept  # not d: its rows would live until backward
 
         def back(grads, needs):

@@ -180,7 +180,7 @@ class Run:
     buffers: str = "exact"  # [dispatch] buffers
     expert_grad_bytes: int = 4  # experts outside FSDP2: fp32 gradients (4) or kept on the working copies (2)
     expert_copies: bool = True  # experts outside FSDP2 keep bf16 working copies (False: a candidate, cast per use)
-    keep_exchanges: bool = True  # a recompute replays its forward's exchanges (False: a candidate, exchanges again)
+    keep_exchanges: bool = True  # a recompute replays its forward's exchanges (False: exchanges again, [dispatch] recompute)
 
     @property
     def tokens(self) -> int:
@@ -287,8 +287,8 @@ def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str,
         received = ep * T
     per_layer = activation_bytes_per_token(shape, one_process, slots / T) * T
     s = 4 if one_process else 2
-    # A recomputed block replays its exchanges (dispatch/replay.py): each forward keeps the rows and metadata
-    # it received ([R, D] bf16, [R, 2K] fp32) and the rows its combine received back (as many, [R, D] bf16).
+    # A recomputed block that replays its exchanges (dispatch/replay.py) keeps from each forward the rows and
+    # metadata it received ([R, D] bf16, [R, 2K] fp32) and the rows its combine received back ([R, D] bf16).
     kept = (2 * D + 8 * K + 2 * D) * received if run.keep_exchanges else 0.0
     if layout.ac == "none":
         items.append(("activations", "every layer's activations", L * per_layer))
@@ -500,7 +500,8 @@ def parse(argv: list[str]):
     setting = config.optimizer.expert_grad_dtype  # "auto": kept in bf16 where nothing stops it (on a GPU)
     kept = setting == "bfloat16" or (setting == "auto" and accum == 1 and not expert_gradient_conflicts(config))
     expert_grads = 2 if kept else 4
-    run = Run(seq, micro, moments, config.dispatch.buffers, expert_grads)
+    run = Run(seq, micro, moments, config.dispatch.buffers, expert_grads,
+              keep_exchanges=config.dispatch.recompute == "replay")
     return config, shape, run, nodes, per_node, GPUS[gpu_name], accum
 
 

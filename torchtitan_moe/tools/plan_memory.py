@@ -9,7 +9,7 @@ resolves them. The candidates are the same arithmetic with one setting changed, 
 the config's local batch and at twice it: bf16 AdamW moments ([optimizer] moments_dtype), the experts'
 gradients kept in bf16 ([optimizer] expert_grad_dtype; one micro-batch a step), no bf16 working copies of
 the experts (cast per use: not in the code today), a recompute that exchanges again instead of replaying what
-its forward kept (not in the code today), selective recompute (an estimate from the op list) and none.
+its forward kept ([dispatch] recompute), selective recompute (an estimate from the op list) and none.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ def candidates(layout: Layout, run: Run) -> list[tuple[str, Layout, Run, bool]]:
         ("experts' gradients in bf16 (one micro-batch a step)", layout, change(run, expert_grad_bytes=2), True),
         ("experts' gradients in fp32 (gradient accumulation)", layout, change(run, expert_grad_bytes=4), True),
         ("no bf16 working copies of the experts (cast per use)", layout, change(run, expert_copies=False), False),
-        ("the recompute exchanges again (nothing kept for it)", layout, change(run, keep_exchanges=False), False),
+        ("the recompute exchanges again (nothing kept for it)", layout, change(run, keep_exchanges=False), True),
+        ("the recompute replays its exchanges (kept for it)", layout, change(run, keep_exchanges=True), True),
         ("selective recompute (op list; estimate)", change(layout, ac="selective"), run, True),
         ("full recompute", change(layout, ac="full"), run, True),
         ("no recompute", change(layout, ac="none"), run, True),
@@ -60,6 +61,8 @@ def candidates(layout: Layout, run: Run) -> list[tuple[str, Layout, Run, bool]]:
     rows.append((f"as configured, local batch {double.micro_batch}", layout, double, True))
     rows.append((f"bf16 moments + bf16 expert gradients, local batch {double.micro_batch}", layout,
                  change(double, moments_bytes=4, expert_grad_bytes=2), True))
+    rows.append((f"the same, exchanging again, local batch {double.micro_batch}", layout,
+                 change(double, moments_bytes=4, expert_grad_bytes=2, keep_exchanges=False), True))
     rows.append((f"+ no working copies, local batch {double.micro_batch}", layout,
                  change(double, moments_bytes=4, expert_grad_bytes=2, expert_copies=False), False))
     return rows

@@ -50,7 +50,7 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
             op_sac_save_list=_SAC_SAVE_LIST,
             base_folder=job_config.job.dump_folder,
         )
-        keep_exchanges_for_recompute(model)
+        keep_exchanges_for_recompute(model, job_config.dispatch.recompute)
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(model, job_config.compile.backend)
 
@@ -87,13 +87,21 @@ def compile_router(router: nn.Module, backend: str) -> None:
     router.route = torch.compile(router.route, backend=backend, fullgraph=True)
 
 
-def keep_exchanges_for_recompute(model: nn.Module) -> None:
-    """In checkpointed blocks, the recompute replays the all-to-all results instead of
-    exchanging again: the exchange costs network time and a host sync, its result a buffer."""
+def keep_exchanges_for_recompute(model: nn.Module, recompute: str) -> None:
+    """In checkpointed blocks, the dispatchers keep what the recompute needs ([dispatch] recompute):
+    the exchanges' results to replay ('replay': no network time, a buffer a layer), or only what
+    spares a second exchange its host sync ('exchange'). dispatch/replay.py."""
+    layers = 0
     for block in model.layers.values():
         dispatcher = block.moe.dispatcher
         if isinstance(block, CheckpointWrapper) and hasattr(dispatcher, "keep_exchanges"):
             dispatcher.keep_exchanges = True
+            dispatcher.recompute = recompute
+            layers += 1
+    if layers:
+        what = {"replay": "replays the exchanges its forward kept", "exchange": "exchanges again"}[recompute]
+        logger.info(f"Activation checkpointing: the recompute of {layers} MoE layers {what} ([dispatch] recompute = "
+                    f"{recompute!r})")
 
 
 def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:

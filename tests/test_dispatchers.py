@@ -213,9 +213,12 @@ def compare(rank: int, case: Case, device: torch.device) -> None:
         if recompute == "replay":
             assert calls == plain_calls, f"rank {rank}: collectives {calls} checkpointed, {plain_calls} without"
             assert not kept_rows or kept_rows[1] > 0, f"rank {rank}: the forward kept no rows to replay"
-        else:  # the peer-memory transport's copies on GPUs are no torch.distributed collective: none to count
-            exchanges = [c for c in calls if c != "all_gather_object"]  # (all_gather's once-per-size check)
-            plain_exchanges = [c for c in plain_calls if c != "all_gather_object"]
+        else:  # rows moved (not setup: barriers, all_gather's token check); on GPUs the peer-memory transport's
+            # copies are no torch.distributed collective: none to count
+            moving = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                      "reduce_scatter_tensor")
+            exchanges = [c for c in calls if c in moving]
+            plain_exchanges = [c for c in plain_calls if c in moving]
             assert len(exchanges) > len(plain_exchanges) or not plain_exchanges, \
                 f"rank {rank}: collectives {calls} exchanging again, {plain_calls} without"
             if kept_rows:

@@ -151,7 +151,7 @@ OTHERS = [
      "[dispatch] num_sms = 32 sets DeepEP's SMs"),
     (["--dispatch.overlap", "chunks"], "[dispatch] overlap = 'chunks' overlaps the exchanges between EP ranks: it needs "
      "[parallelism] expert_parallel_degree > 1 (got 1)"),
-    (["--dispatch.recompute", "exchange"], "[dispatch] recompute = 'exchange' is what an activation-checkpointing "
+    (["--dispatch.recompute", "exchange", "--activation_checkpoint.mode", "full"], "[dispatch] recompute = 'exchange' is what an activation-checkpointing "
      "recompute does for the exchanges between EP ranks: it needs [parallelism] expert_parallel_degree > 1 (got 1)"),
     (["--dispatch.recompute", "exchange", "--parallelism.expert_parallel_degree", "2", "--nproc", "2",
       "--activation_checkpoint.mode", "none"], "and [activation_checkpoint] mode 'full' or 'selective' (got 'none')"),

@@ -91,17 +91,18 @@ def keep_exchanges_for_recompute(model: nn.Module, recompute: str) -> None:
     """In checkpointed blocks, the dispatchers keep what the recompute needs ([dispatch] recompute):
     the exchanges' results to replay ('replay': no network time, a buffer a layer), or only what
     spares a second exchange its host sync ('exchange'). dispatch/replay.py."""
-    layers = 0
+    kept = []
     for block in model.layers.values():
         dispatcher = block.moe.dispatcher
         if isinstance(block, CheckpointWrapper) and hasattr(dispatcher, "keep_exchanges"):
             dispatcher.keep_exchanges = True
             dispatcher.recompute = recompute
-            layers += 1
-    if layers:
-        what = {"replay": "replays the exchanges its forward kept", "exchange": "exchanges again"}[recompute]
+            kept.append(dispatcher)
+    for how in sorted({d.recompute for d in kept}):  # read back from the dispatchers: what they will do
+        what = {"replay": "replays the exchanges its forward kept", "exchange": "exchanges again"}[how]
+        layers = sum(d.recompute == how for d in kept)
         logger.info(f"Activation checkpointing: the recompute of {layers} MoE layers {what} ([dispatch] recompute = "
-                    f"{recompute!r})")
+                    f"{how!r})")
 
 
 def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> None:

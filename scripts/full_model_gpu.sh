@@ -3,11 +3,11 @@
 #   bash scripts/full_model_gpu.sh OUT
 # configs/qwen3_30b_a3b_4gpu.toml (EP = 4, seq 4096, learned router, full recompute, compiled), bench_train with
 # --gpu-power (tokens per joule over the 4 GPUs), torchtitan 0.2.2's Qwen3-MoE beside ours, few steps each:
-#   lb2     local batch 2, fp32 AdamW moments (the config as shipped): torchtitan and ours (all_to_all)
-#   lb4     local batch 4, bf16 AdamW moments (lb 4 does not fit with fp32 moments: the planner's breakdown):
-#           torchtitan and ours, the same optimizer for both (components/optimizer.py builds both)
-#   lb8     local batch 8, bf16 AdamW moments, the recompute exchanging again ([dispatch] recompute =
-#           "exchange": no received rows kept for it, -22 GiB at lb 4): torchtitan and ours
+#   lb2     local batch 2, fp32 AdamW moments, the recompute replaying the exchanges: torchtitan and ours (all_to_all)
+#   lb4     local batch 4, bf16 AdamW moments (lb 4 does not fit with fp32 moments: the planner's breakdown), the
+#           recompute replaying: torchtitan and ours, the same optimizer for both (components/optimizer.py builds both)
+#   lb8     the config as shipped: local batch 8, bf16 AdamW moments, the recompute exchanging again ([dispatch]
+#           recompute = "exchange": no received rows kept for it, -22 GiB at lb 4): torchtitan and ours
 #   accum   ours at local batch 2 x 16 micro-batches = 524,288 tokens a step, bf16 moments (accumulation keeps
 #           the experts' gradients in fp32: +13.5 GiB, which fp32 moments leave no room for)
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
@@ -85,13 +85,13 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 lb2_steps=$steps
 [ -n "${PROFILE:-}" ] && lb2_steps=$((steps + 4))  # bench_train leaves the profiler's 1 + 3 steps out of its medians
 has lb2 && stage lb2 "$lb2_steps" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
-    -- --training.local_batch_size 2
+    -- --training.local_batch_size 2 --optimizer.moments_dtype float32 --dispatch.recompute replay
 has lb4 && stage lb4 "$steps" "$warmup" --models torchtitan,all_to_all \
-    -- --training.local_batch_size 4 --optimizer.moments_dtype bfloat16
+    -- --training.local_batch_size 4 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
 has lb8 && stage lb8 "$steps" "$warmup" --models torchtitan,all_to_all \
     -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --dispatch.recompute exchange
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models all_to_all --grad-accum 16 \
-    -- --training.local_batch_size 2 --optimizer.moments_dtype bfloat16
+    -- --training.local_batch_size 2 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
 
 tar -czf "$out/logs.tar.gz" -C "$work" $(cd "$work" && ls -d *.log */*.log 2>/dev/null) 2>/dev/null
 echo "== done in $SECONDS s; $summary"

@@ -236,7 +236,7 @@ MUTATIONS = [
       ("tests/test_bad_inputs.py", "-k", "recompute")),
     M("planner: [dispatch] recompute not read", "torchtitan_moe/tools/plan.py",
       'keep_exchanges=config.dispatch.recompute == "replay")', "keep_exchanges=True)",
-      ("tests/test_plan_memory.py", "-k", "recomputes_its_exchanges")),
+      ("tests/test_plan_memory.py", "-k", "breakdown")),
     M("all-to-all worst-case buffers: a rank's rows left at their compact place", "torchtitan_moe/dispatch/all_to_all.py",
       "send_index.inv - starts[rank] + rank * num_tokens, -1)", "send_index.inv, -1)",
       ("tests/test_dispatchers.py", "-k", "all_to_all-padded")),

@@ -277,7 +277,7 @@ def test_accumulation_rows_give_the_tokens_a_step_and_mfu_in_both_counts(tmp_pat
     monkeypatch.setattr(bench_train, "run_training", fake_training)
     code = main([str(ROOT / "configs" / "qwen3_30b_a3b_4gpu.toml"), "--models", "all_to_all", "--modes", "compiled",
                  "--routers", "learned", "--grad-accum", "1,16", "--steps", "3", "--warmup", "1", "--nproc", "4",
-                 "--out", str(tmp_path), "--", "--kernels.backend", "auto"])
+                 "--out", str(tmp_path), "--", "--kernels.backend", "auto", "--training.local_batch_size", "2"])
     assert code == 0
     report = (tmp_path / "bench_train.md").read_text()
     # 4 processes x 2 sequences x 4096 tokens a micro-batch: 32,768 tokens a step, 524,288 with 16 micro-batches

@@ -30,6 +30,15 @@ def test_the_full_model_at_ep4_is_within_10_percent_of_the_measured_peaks(dispat
     assert abs(predicted / measured - 1) <= 0.10, (predicted, measured)
 
 
+@pytest.mark.xfail(strict=True, reason="the planner under-counts local batch 8 with the recompute exchanging again: "
+                   "97.5 GiB predicted, 130.7-136.8 measured in four runs (torch's max reserved, no allocation retries); "
+                   "where the rest goes is not measured yet (max allocated was not recorded)")
+def test_local_batch_8_exchanging_again_is_within_10_percent_of_its_measured_peak():
+    # The shipped config on 4 H200s (2026-11-28): bf16 moments, bf16 expert gradients, [dispatch] recompute = "exchange".
+    predicted = plan.memory(FULL, EP4, Run(4096, 8, 4, "exact", 2, keep_exchanges=False)).total / GIB
+    assert abs(predicted / 136.6 - 1) <= 0.10, predicted
+
+
 def test_the_experts_state_by_hand():
     # An EP = 4 rank holds 32 experts x 48 layers x 3 x 768 x 2048 = 7.25B expert parameters: fp32 weights (4 B),
     # bf16 working copies (2), bf16 gradients (2), fp32 moments (8): 16 B each.
@@ -69,34 +78,39 @@ def test_the_candidates_save_what_they_drop():
     assert rows["no recompute"][0].ac == "none" and rows["the same, no recompute"][1].expert_copies is False
 
 
-def test_the_breakdown_of_the_shipped_4_gpu_config():
+def breakdown(*overrides: str) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        code = plan.main([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown"])
+        code = plan.main([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown", *overrides])
     text = out.getvalue()
     assert code == 0, text
-    assert text.startswith("## Memory of one GPU: EP 4 node all_to_all, FSDP 4, AC full, local batch 2 x 4096")
+    return text
+
+
+def test_the_breakdown_of_the_shipped_4_gpu_config():
+    # Shipped: local batch 8, bf16 moments, the experts' gradients in bf16 (one micro-batch), the recompute exchanging.
+    text = breakdown()
+    assert text.startswith("## Memory of one GPU: EP 4 node all_to_all, FSDP 4, AC full, local batch 8 x 4096")
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and line.count("|") == 4]
     parts = [r for r in rows if r[0].removeprefix("| ") in plan.PARTS]
-    total = plan.memory(FULL, EP4, Run(4096, 2, 8, "exact", 2)).total / GIB
+    shipped = Run(4096, 8, 4, "exact", 2, keep_exchanges=False)
+    total = plan.memory(FULL, EP4, shipped).total / GIB
     assert sum(float(r[2].rstrip(" |")) for r in parts) == pytest.approx(total, abs=0.01 * len(parts))
     assert f"| total | torch's peak reserved, predicted | {total:.1f} |" in text
-    assert "| bf16 AdamW moments | 100.4 | -28.4 | yes | yes |" in text
+    assert "| activations | exchanges kept for the recompute | 0.00 |" in text
+    fp32 = plan.memory(FULL, EP4, dataclasses.replace(shipped, moments_bytes=8)).total / GIB
+    assert f"| fp32 AdamW moments | {fp32:.1f} | +{fp32 - total:.1f} |" in text
+    assert "| bf16 AdamW moments |" not in text  # the config's own setting is no candidate
 
 
 def test_the_breakdown_reads_how_the_config_recomputes_its_exchanges():
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        code = plan.main([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown", "--dispatch.recompute",
-                          "exchange"])
-    text = out.getvalue()
-    assert code == 0, text
-    exchanging = plan.memory(FULL, EP4, Run(4096, 2, 8, "exact", 2, keep_exchanges=False)).total / GIB
-    assert f"| total | torch's peak reserved, predicted | {exchanging:.1f} |" in text
-    assert "| activations | exchanges kept for the recompute | 0.00 |" in text
-    replaying = plan.memory(FULL, EP4, Run(4096, 2, 8, "exact", 2)).total / GIB
-    assert f"| the recompute replays its exchanges (kept for it) | {replaying:.1f} | +{replaying - exchanging:.1f} " \
-           "| no | yes |" in text
+    text = breakdown("--training.local_batch_size", "2", "--dispatch.recompute", "replay")
+    replaying = plan.memory(FULL, EP4, Run(4096, 2, 4, "exact", 2)).total / GIB
+    assert f"| total | torch's peak reserved, predicted | {replaying:.1f} |" in text
+    exchanging = plan.memory(FULL, EP4, Run(4096, 2, 4, "exact", 2, keep_exchanges=False)).total / GIB
+    assert f"| the recompute exchanges again (nothing kept for it) | {exchanging:.1f} | -{replaying - exchanging:.1f} " \
+           "| yes | yes |" in text
+    assert "| the recompute replays its exchanges (kept for it) |" not in text
 
 
 def test_the_breakdown_refuses_what_it_cannot_model():

@@ -6,7 +6,7 @@ The terms are the planner's (tools/plan.py memory_items: the same arithmetic as 
 layout the config trains: its EP degree, FSDP over every GPU (HSDP where it replicates), its activation
 checkpointing, its dispatcher and buffers, its AdamW moments and the experts' gradients as the trainer
 resolves them. The candidates are the same arithmetic with one setting changed, then several together, at
-the config's local batch and at twice it: bf16 AdamW moments ([optimizer] moments_dtype), the experts'
+the config's local batch and at twice it: bf16 (or fp32) AdamW moments ([optimizer] moments_dtype), the experts'
 gradients kept in bf16 ([optimizer] expert_grad_dtype; one micro-batch a step), no bf16 working copies of
 the experts (cast per use: not in the code today), a recompute that exchanges again instead of replaying what
 its forward kept ([dispatch] recompute), selective recompute (an estimate from the op list) and none.
@@ -40,6 +40,7 @@ def candidates(layout: Layout, run: Run) -> list[tuple[str, Layout, Run, bool]]:
     change = dataclasses.replace
     cuts = [
         ("bf16 AdamW moments", layout, change(run, moments_bytes=4), True),
+        ("fp32 AdamW moments", layout, change(run, moments_bytes=8), True),
         ("experts' gradients in bf16 (one micro-batch a step)", layout, change(run, expert_grad_bytes=2), True),
         ("experts' gradients in fp32 (gradient accumulation)", layout, change(run, expert_grad_bytes=4), True),
         ("no bf16 working copies of the experts (cast per use)", layout, change(run, expert_copies=False), False),

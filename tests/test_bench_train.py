@@ -26,10 +26,23 @@ def test_summary_takes_medians_after_warmup_and_ratios_to_torchtitan():
                for s, tps, mem in [(1, 10.0, 5.0), (2, 1000.0, 7.0), (3, 3000.0, 6.0), (4, 2000.0, 6.0)]]
     s = summarize(records, warmup=1)
     assert s["tps"] == 2000.0 and s["mfu"] == 2.0 and s["memory_gib"] == 7.0 and s["final_loss"] == 6
+    assert "memory_active_gib" not in s and "alloc_retries" not in s  # an older run's log: not made up
     tt = Variant("torchtitan", "learned", "eager")
     ours = Variant("all_to_all", "learned", "eager")
     report = table([tt, ours], {tt.name: {**s, "tps": 1000.0}, ours.name: s})
     assert "| ours/all_to_all learned eager | 2,000 |" in report and "| 2.00x | - |" in report
+    assert "retries" not in report
+
+
+def test_a_run_whose_allocator_retried_says_so():
+    # The allocator's retries are cumulative over the run: the last step's count is the run's.
+    records = [{"step": s, "throughput(tps)": 100.0, "tflops": 1.0, "memory/max_reserved(GiB)": 137.0,
+                "memory/max_active(GiB)": active, "memory/num_alloc_retries": retries, "loss": 1.0}
+               for s, active, retries in [(1, 120.5, 5), (2, 121.0, 11), (3, 120.0, 27)]]
+    s = summarize(records, warmup=1)
+    assert s["memory_active_gib"] == 121.0 and s["alloc_retries"] == 27
+    ours = Variant("all_to_all", "learned", "eager")
+    assert "| 137.0 (27 allocation retries) |" in table([ours], {ours.name: s})
 
 
 def test_loss_agreement_compares_compiled_with_eager_at_the_last_step_and_over_a_window():

@@ -152,6 +152,11 @@ def summarize(records: list[dict], warmup: int, last_untimed: int = 0) -> dict:
         "tflops": statistics.median(r["tflops"] for r in timed),
         **({"tflops_causal": statistics.median(r["tflops_causal"] for r in timed)} if "tflops_causal" in timed[0] else {}),
         "memory_gib": max(r["memory/max_reserved(GiB)"] for r in records),
+        # What the tensors held at most (reserved less the allocator's cached, fragmented blocks), and how often
+        # the allocator had to free its cache to fit (a run that retries is memory-bound, not slow by itself).
+        **{key: max(r[field] for r in records) for key, field in (("memory_active_gib", "memory/max_active(GiB)"),
+                                                                  ("alloc_retries", "memory/num_alloc_retries"))
+           if field in records[0]},
         "final_loss": records[-1]["loss"],
         "steps": records[-1]["step"],
         "losses": [r["loss"] for r in records],
@@ -209,6 +214,9 @@ def combine_runs(runs: list[dict]) -> dict:
     if len(runs) == 1:
         return runs[0]
     result = {**runs[0], "memory_gib": max(r["memory_gib"] for r in runs), "tps_runs": [r["tps"] for r in runs]}
+    for key in ("memory_active_gib", "alloc_retries"):
+        if key in runs[0]:
+            result[key] = max(r[key] for r in runs)
     if "gpus" in runs[0]:
         result["gpus_runs"] = [r["gpus"] for r in runs]
     for key in ("tps", "tflops", "tflops_causal", "mfu", "mfu_causal", "tokens_per_joule"):
@@ -245,7 +253,8 @@ def table(variants: list[Variant], results: dict[str, dict]) -> str:
         cells = [f"{r['tokens_per_step']:,}" if "tokens_per_step" in r else "-", f"{r['tflops']:.1f}"]
         cells += [f"{r[key]:.1f}%" if key in r else "-" for key in ("mfu", "mfu_causal")]
         cells.append(f"{r['tokens_per_joule']:,.1f}" if "tokens_per_joule" in r else "-")
-        lines.append(f"| {v.name} | {tps_cell(r)} | " + " | ".join(cells) + f" | {r['memory_gib']:.1f} | "
+        retries = f" ({r['alloc_retries']:,} allocation retries)" if r.get("alloc_retries") else ""
+        lines.append(f"| {v.name} | {tps_cell(r)} | " + " | ".join(cells) + f" | {r['memory_gib']:.1f}{retries} | "
                      f"{r['final_loss']:.4f} | {ratio(r['tps'], eager)} | {ratio(r['tps'], compiled)} |")
     return "\n".join(lines)
 

@@ -160,6 +160,7 @@ OTHERS = [
      "[parallelism] data_parallel_replicate_degree = 3: must divide the number of processes (2)"),
     (["--parallelism.data_parallel_replicate_degree", "3", "--parallelism.data_parallel_shard_degree", "2", "--nproc", "4"],
      "must equal the number of processes (4)"),
+    (["--training.max_skipped_steps", "0"], "[training] max_skipped_steps = 0: must be >= 1"),
     (["--parallelism.data_parallel_replicate_degree", "0"], "[parallelism] data_parallel_replicate_degree = 0: must be >= 1"),
     (["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.expert_parallel_degree", "4", "--nproc", "4"],
      "EP splits one replica's FSDP group (2 of 4 processes; torchtitan's mesh is dp_replicate x efsdp x ep)"),

@@ -104,6 +104,18 @@ def test_skip_step_skips_an_update_whose_loss_or_gradient_norm_is_not_finite(los
     watch.check(3 * 4 + 1, None)  # only "stop" stops
 
 
+def test_skip_step_stops_the_run_after_max_skipped_steps_in_a_row():
+    watch = NonFiniteWatch("skip_step", torch.device("cpu"), max_skipped=3)
+    finite, nan = torch.tensor(1.0), torch.tensor(math.nan)
+    # Two bad steps, a good one (the count starts over), two bad ones: never three in a row.
+    for step, loss in enumerate([nan, nan, finite, nan, nan], start=1):
+        assert watch.allows_update(step, loss, finite) is (loss is finite)
+    with pytest.raises(NonFiniteError) as stopped:
+        watch.allows_update(6, nan, finite)
+    assert str(stopped.value).startswith("step 6: the loss is not finite, 3 steps in a row skipped: training diverged")
+    assert "[training] max_skipped_steps = 3" in str(stopped.value)
+
+
 def fake_trainer(tmp_path, mode="warn", poison=None):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
     optimizer = torch.optim.AdamW(model.parameters())

@@ -118,6 +118,10 @@ def launched(tmp_path_factory) -> Path:
     plan.append({"diverged": ["--job.dump_folder", str(d / "diverged"), "--training.steps", "8", "--optimizer.lr",
                               "1e4", "--lr_scheduler.warmup_steps", "1", "--checkpoint.enable", "--checkpoint.interval",
                               "2", "--metrics.log_freq", "3"], "out": str(d / "diverged.txt")})
+    # The same with on_nonfinite = "skip_step": every step after step 1 is skipped, and the run stops at the second.
+    plan.append({"diverged": ["--job.dump_folder", str(d / "skipped"), "--training.steps", "8", "--optimizer.lr", "1e4",
+                              "--lr_scheduler.warmup_steps", "1", "--training.on_nonfinite", "skip_step",
+                              "--training.max_skipped_steps", "2"], "out": str(d / "skipped.txt")})
     # A run's close() stops its data worker (the debug config has one), not the garbage collector 5 s later.
     plan.append({"train": ["--job.dump_folder", str(d / "workers"), "--training.steps", "2"],
                  "data_workers": str(d / "data_workers.json")})
@@ -305,6 +309,14 @@ def test_clipping_inside_the_optimizer_trains_as_torchtitans_clip(runs, moments)
     assert ours[0]["grad_norm"] == theirs[0]["grad_norm"]  # the same norm of the same gradients
     for a, b in zip(ours, theirs):  # then grad / scale against grad * coefficient: rounding apart
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_a_run_that_skips_every_step_stops(launched):
+    # [training] on_nonfinite = "skip_step" with max_skipped_steps = 2: lr 1e4 breaks the weights at step 1's update,
+    # the steps after it are not finite, the run stops at the second of them (the trainer passes the limit to its watch).
+    message = (launched / "skipped.txt").read_text()
+    assert re.match(r"step \d+: the (loss|gradient norm|loss and the gradient norm) is not finite, 2 steps in a row "
+                    r"skipped: training diverged; .*\[training\] max_skipped_steps = 2", message), message
 
 
 def test_a_diverged_run_stops_before_saving_nan(launched):

@@ -227,6 +227,10 @@ class Training:
     last good checkpoint, exit status 3, nothing saved from it on), 'skip_step' (its update skipped, with a
     warning; a host sync per step) or 'warn' (train on). A save from NaN weights is refused whatever this says."""
 
+    max_skipped_steps: int = 10
+    """on_nonfinite = 'skip_step': the run stops as 'stop' does once this many steps in a row were skipped
+    (a run whose every step is NaN trains nothing, whatever the cause: skipping on would hide it)."""
+
 
 @dataclass
 class JobConfig:
@@ -338,6 +342,8 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
         _need(not train.dataset_path, f"[training] dataset_path = {train.dataset_path!r} is not read: dataset = "
               "'synthetic' makes its own tokens; set dataset = 'text' to train on the files, or unset dataset_path")
     check_data_sources(cfg.data, train.dataset)
+    _need(train.max_skipped_steps >= 1, f"[training] max_skipped_steps = {train.max_skipped_steps}: must be >= 1 (the "
+          "steps skipped in a row, with on_nonfinite = 'skip_step', after which the run stops)")
     tokenizer = cfg.data.tokenizer
     _need(
         tokenizer == "bytes" or os.path.isfile(tokenizer),

@@ -5,7 +5,8 @@
     "stop"       (default) the run stops with one line: the first such step, which value, the last good
                  checkpoint; exit status 3, nothing saved from that step on
     "skip_step"  the step's update is skipped (weights, optimizer state, lr schedule untouched) with a
-                 warning; one host sync and one all-reduce of a flag per step
+                 warning; one host sync and one all-reduce of a flag per step; the run stops as "stop"
+                 does after [training] max_skipped_steps skipped in a row
     "warn"       the run trains on (the step line and the monitors show the NaN)
 
 "stop" costs no host sync: each step folds its verdict into one int64 on the device (`first`: step x 4 +
@@ -41,8 +42,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class NonFiniteWatch:
     """What a trainer does with a non-finite loss or gradient norm ([training] on_nonfinite)."""
 
-    def __init__(self, mode: str, device: torch.device):
-        self.mode, self.device = mode, device
+    def __init__(self, mode: str, device: torch.device, max_skipped: int = 10):
+        self.mode, self.device, self.max_skipped = mode, device, max_skipped
+        self.skipped = 0  # "skip_step": steps skipped in a row
         self.first = torch.full((), NONE, dtype=torch.int64, device=device)
         self.counter: torch.Tensor | None = None  # the step, counted on the device (no copy per step)
 
@@ -59,10 +61,19 @@ class NonFiniteWatch:
         if self.mode == "skip_step":
             if dist.is_initialized():  # a rank's own loss may be the only bad value: every rank skips or none
                 dist.all_reduce(code, op=dist.ReduceOp.MAX)
-            if int(code):
-                logger.warning(f"step {step}: {WHAT[int(code)]} is not finite: its update is skipped (weights, "
-                               "optimizer state and learning rate as before it; [training] on_nonfinite = 'skip_step')")
-                return False
+            if not int(code):
+                self.skipped = 0
+                return True
+            self.skipped += 1
+            if self.skipped >= self.max_skipped:
+                raise NonFiniteError(f"step {step}: {WHAT[int(code)]} is not finite, {self.skipped} steps in a row "
+                                     "skipped: training diverged; the weights are those of before the first of them; "
+                                     f"stopped by [training] max_skipped_steps = {self.max_skipped}; lower [optimizer] "
+                                     "lr or raise [lr_scheduler] warmup_steps")
+            logger.warning(f"step {step}: {WHAT[int(code)]} is not finite: its update is skipped (weights, optimizer "
+                           f"state and learning rate as before it; {self.skipped} in a row of at most "
+                           f"{self.max_skipped}; [training] on_nonfinite = 'skip_step')")
+            return False
         return True
 
     def check(self, first: int, checkpoint_folder: str | None) -> None:

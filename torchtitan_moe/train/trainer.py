@@ -104,7 +104,8 @@ class MoETrainer(Trainer):
         if self.ours:  # torchtitan's baseline has no working copies
             keep_expert_gradients(job_config.optimizer.expert_grad_dtype, self.optimizers, self.model_parts,
                                   self.gradient_accumulation_steps, self.parallel_dims.pp_enabled)
-        self.nonfinite = NonFiniteWatch(job_config.training.on_nonfinite, self.device)
+        self.nonfinite = NonFiniteWatch(job_config.training.on_nonfinite, self.device,
+                                        job_config.training.max_skipped_steps)
         self.first_step: int | None = None  # the step this run starts from (0, or the one it resumes)
         self.guard_saves()
         logger.info(f"data: {describe_data(job_config)}")

@@ -12,7 +12,7 @@
 #           the experts' gradients in fp32: +13.5 GiB, which fp32 moments leave no room for)
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
 # tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
-# the steps; PROFILE=1 adds ours' step-time breakdown to lb2 (3 more steps). BUDGET (default 560 s) bounds
+# the steps; PROFILE=1 adds ours' step-time breakdown to lb8 (4 more steps). BUDGET (default 560 s) bounds
 # the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
 # still tabled (bench_train --report). Runs finished on a warm machine are kept in WORK (default
 # /tmp/full_model_gpu) and not trained again (--resume), so a second call goes on where the first stopped.
@@ -82,13 +82,13 @@ stage() {
 }
 
 has() { [[ " $stages " == *" $1 "* ]]; }
-lb2_steps=$steps
-[ -n "${PROFILE:-}" ] && lb2_steps=$((steps + 4))  # bench_train leaves the profiler's 1 + 3 steps out of its medians
-has lb2 && stage lb2 "$lb2_steps" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
+lb8_steps=$steps
+[ -n "${PROFILE:-}" ] && lb8_steps=$((steps + 4))  # bench_train leaves the profiler's 1 + 3 steps out of its medians
+has lb2 && stage lb2 "$steps" "$warmup" --models torchtitan,all_to_all \
     -- --training.local_batch_size 2 --optimizer.moments_dtype float32 --dispatch.recompute replay
 has lb4 && stage lb4 "$steps" "$warmup" --models torchtitan,all_to_all \
     -- --training.local_batch_size 4 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
-has lb8 && stage lb8 "$steps" "$warmup" --models torchtitan,all_to_all \
+has lb8 && stage lb8 "$lb8_steps" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --dispatch.recompute exchange
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models all_to_all --grad-accum 16 \
     -- --training.local_batch_size 2 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay

@@ -70,7 +70,8 @@ class _Rows(NamedTuple):
 class _Counts:
     """Split sizes on their way to the host: a copy started on the stream, waited for later, so
     the CPU queues independent work before it blocks (the GPU then has work while the CPU waits
-    and catches up; on a one-rank group the gain was within run-to-run noise). Built from the kept sizes in an activation-checkpointing recompute."""
+    and catches up; on a one-rank group the gain was within run-to-run noise). Built from the kept
+    sizes in an activation-checkpointing recompute."""
 
     def __init__(self, sizes, ep_size: int = 0):
         self.ep_size = ep_size

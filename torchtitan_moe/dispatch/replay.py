@@ -28,12 +28,9 @@ import torch
 from torchtitan_moe.dispatch.seam import recomputing
 
 
-RECOMPUTE = ("replay", "exchange")
-
-
 class ReplaysExchanges:
     keep_exchanges: bool = False  # the block is checkpointed: keep what its recompute needs
-    recompute: str = "replay"  # RECOMPUTE
+    recompute: str = "replay"  # or "exchange" ([dispatch] recompute)
 
     def __init__(self) -> None:
         self.keep_exchanges = False

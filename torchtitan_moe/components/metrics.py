@@ -167,7 +167,7 @@ class MoEMetricsProcessor(MetricsProcessor):
             "time_metrics/end_to_end(s)": elapsed / (step - self.last_logged_step if self.last_logged_step else 1),
             "memory/max_reserved(GiB)": mem.max_reserved_gib,
             "memory/max_active(GiB)": mem.max_active_gib,
-            "memory/num_alloc_retries": mem.num_alloc_retries,  # the caching allocator freed its cache to fit: memory-bound
+            "memory/num_alloc_retries": mem.num_alloc_retries,  # the allocator freed its cache to fit: memory-bound
             **(extra_metrics or {}),
             **moe,
             **health,

@@ -74,8 +74,9 @@ def run_layer(layer: MoE, x, grad, use_checkpoint: bool, compiler):
     return (out.detach(), *grads), stats, len(calls)
 
 
-def worker(rank: int, world: int, port: int, kind: str, buffers: str, use_checkpoint: bool, zero_gate: bool,
+def worker(rank: int, world: int, port: int, kind: str, buffers: str, use_checkpoint: bool | str, zero_gate: bool,
            compiler, gpus: bool, failures):
+    """use_checkpoint: False, True (the recompute replays) or "exchange" (it exchanges again)."""
     device, kernels, init = torch.device("cpu"), "torch", {}
     if gpus:  # NCCL, Triton kernels, the real deep_ep
         if "fakes" in str(getattr(sys.modules.get("deep_ep"), "__file__", "")):
@@ -96,10 +97,12 @@ def worker(rank: int, world: int, port: int, kind: str, buffers: str, use_checkp
         for overlap in ("none", "chunks"):
             layer = make_layer(rank, world, overlap, dtype, zero_gate).to(device)
             dispatcher = make_dispatcher(kind, buffers, world, kernels)
-            dispatcher.keep_exchanges = use_checkpoint
+            dispatcher.keep_exchanges = bool(use_checkpoint)
+            dispatcher.recompute = "exchange" if use_checkpoint == "exchange" else "replay"
             layer.set_dispatcher(dispatcher)
             try:
-                results[overlap] = run_layer(layer, x, grad, use_checkpoint, compiler if overlap == "chunks" else None)
+                results[overlap] = run_layer(layer, x, grad, bool(use_checkpoint),
+                                             compiler if overlap == "chunks" else None)
             finally:
                 dist.all_to_all_single = original
             assert not dispatcher._kept, f"{overlap}: kept exchanges left after the backward"
@@ -121,7 +124,7 @@ def worker(rank: int, world: int, port: int, kind: str, buffers: str, use_checkp
             from torchtitan_moe.dispatch.deepep_backend import release_buffers
 
             release_buffers()
-        if kind == "all_to_all":  # every exchange twice (once per chunk), none again in a recompute
+        if kind == "all_to_all":  # every exchange twice (once per chunk), a recompute's too
             assert chunk_calls == 2 * calls, f"{chunk_calls} all-to-all calls chunked, {calls} unchunked"
 
 
@@ -130,9 +133,11 @@ CASES = [
     ("all_to_all", "worst_case", False, False),
     ("all_to_all", "exact", True, False),  # activation checkpointing replays both chunks' exchanges
     ("all_to_all", "worst_case", True, False),
+    ("all_to_all", "exact", "exchange", False),  # the recompute exchanges both chunks again, by their kept sizes
     ("all_to_all", "exact", False, True),  # every token to experts 0..2: rank 1 receives nothing
     ("deepep", "exact", False, False),  # the fake deep_ep: two dispatches outstanding on one Buffer
     ("deepep", "worst_case", True, False),
+    ("deepep", "exact", "exchange", False),  # both chunks dispatched again by their kept handles
 ]
 
 
@@ -158,8 +163,8 @@ def deep_ep_is_installed() -> bool:
         return False
 
 
-GPU_CASES = [("all_to_all", "exact", False), ("all_to_all", "worst_case", True), ("deepep", "exact", False),
-             ("deepep", "worst_case", True)]
+GPU_CASES = [("all_to_all", "exact", False), ("all_to_all", "worst_case", True), ("all_to_all", "exact", "exchange"),
+             ("deepep", "exact", False), ("deepep", "worst_case", True), ("deepep", "exact", "exchange")]
 
 
 @pytest.mark.gpu

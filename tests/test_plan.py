@@ -5,6 +5,7 @@ keeps on two gloo ranks. Arithmetic otherwise (seconds); the refusals of bad fla
 test_bad_inputs.py's PLAN table."""
 
 import contextlib
+import dataclasses
 import io
 from pathlib import Path
 
@@ -101,6 +102,18 @@ def test_exchange_time_matches_bench_dispatch(dispatcher, ep, dispatch_us, combi
     assert e.network_bytes == 0
     assert e.dispatch_s * 1e6 == pytest.approx(dispatch_us, rel=0.05)
     assert e.combine_s * 1e6 == pytest.approx(combine_us, rel=0.05)
+
+
+def test_a_recompute_that_exchanges_again_exchanges_half_as_much_again():
+    # forward and backward: 2 exchanges a layer; a checkpointed layer whose recompute exchanges again: 3.
+    gpu, layout = GPUS["h200"], Layout(1, 4, 4, 1, "full", "all_to_all")
+    replaying = plan.step_seconds(SHAPE_8L, layout, Run(4096, 8), gpu)
+    exchanging = plan.step_seconds(SHAPE_8L, layout, Run(4096, 8, keep_exchanges=False), gpu)
+    assert exchanging["exchange"] == pytest.approx(1.5 * replaying["exchange"]) and replaying["exchange"] > 0
+    assert exchanging["compute"] == replaying["compute"]
+    unchecked = dataclasses.replace(layout, ac="none")  # nothing recomputed: the setting does nothing
+    assert plan.step_seconds(SHAPE_8L, unchecked, Run(4096, 8, keep_exchanges=False), gpu)["exchange"] == \
+        pytest.approx(replaying["exchange"])
 
 
 def test_an_ep_group_across_nodes_sends_over_the_network_and_never_with_deepep():

@@ -382,12 +382,14 @@ def fsdp_seconds(shape: Shape, layout: Layout, gpu: Gpu) -> tuple[float, float]:
 
 def step_seconds(shape: Shape, layout: Layout, run: Run, gpu: Gpu, accum: int = 1) -> dict[str, float]:
     """An estimate to rank layouts by, per optimizer step of `accum` micro-batches: compute at the
-    measured MFU (a third more with full AC: the forward again), the exchange (forward and backward,
-    not hidden), FSDP traffic hidden behind compute except for what exceeds it, HSDP's all-reduce not hidden."""
+    measured MFU (a third more with full AC: the forward again), the exchange (forward and backward, and
+    the recompute's where it exchanges again; not hidden), FSDP traffic hidden behind compute except for
+    what exceeds it, HSDP's all-reduce not hidden."""
     compute = shape.flops_per_token(run.seq) * run.tokens / (gpu.bf16_tflops * 1e12 * MEASURED_MFU)
     if layout.ac == "full":
         compute *= 4 / 3
-    exch = 2 * shape.n_layers * exchange(shape, layout, run, gpu).total_s
+    passes = 3 if layout.ac != "none" and not run.keep_exchanges else 2
+    exch = passes * shape.n_layers * exchange(shape, layout, run, gpu).total_s
     fsdp, allreduce = fsdp_seconds(shape, layout, gpu)
     total = accum * (max(compute, fsdp) + exch) + allreduce
     return {"compute": accum * compute, "exchange": accum * exch, "fsdp": accum * fsdp + allreduce, "total": total}

@@ -8,10 +8,12 @@
 #           recompute replaying: torchtitan and ours, the same optimizer for both (components/optimizer.py builds both)
 #   lb8     the config as shipped: local batch 8, bf16 AdamW moments, the recompute exchanging again ([dispatch]
 #           recompute = "exchange": no received rows kept for it, -22 GiB at lb 4): torchtitan and ours
+#   ep1     ours at the shipped setting but EP = 1 (the local dispatcher, every expert under FSDP2 over the 4 ranks:
+#           no all-to-all, the experts' weights all-gathered instead; the planner's pick for this node)
 #   accum   ours at local batch 2 x 16 micro-batches = 524,288 tokens a step, bf16 moments (accumulation keeps
 #           the experts' gradients in fp32: +13.5 GiB, which fp32 moments leave no room for)
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
-# tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
+# tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 ep1 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
 # the steps; PROFILE=1 adds ours' step-time breakdown to lb8 (4 more steps). BUDGET (default 560 s) bounds
 # the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
 # still tabled (bench_train --report). Runs finished on a warm machine are kept in WORK (default
@@ -23,7 +25,7 @@
 # Wheels carried in .whl (see the device notes) are installed first.
 set -uo pipefail
 out=${1:-${OUT:?usage: scripts/full_model_gpu.sh OUT}}
-stages=${STAGES:-lb2 lb4 lb8 accum}
+stages=${STAGES:-lb2 lb4 lb8 ep1 accum}
 work=${WORK:-/tmp/full_model_gpu}
 steps=${STEPS:-6}
 warmup=${WARMUP:-2}
@@ -90,6 +92,9 @@ has lb4 && stage lb4 "$steps" "$warmup" --models torchtitan,all_to_all \
     -- --training.local_batch_size 4 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
 has lb8 && stage lb8 "$lb8_steps" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --dispatch.recompute exchange
+has ep1 && stage ep1 "$steps" "$warmup" --models local \
+    -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 1 \
+    --dispatch.backend local --dispatch.recompute replay
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models all_to_all --grad-accum 16 \
     -- --training.local_batch_size 2 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
 

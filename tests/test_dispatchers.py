@@ -15,6 +15,7 @@ The registry: each entry's refusals against the rules stated here apart from it,
 the machine check, the choice and the build agreeing with its problem(); the shared autograd wrapper.
 """
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -41,6 +42,8 @@ DIM, EXPERTS, TOP_K, INTER = 16, 8, 3, 16  # bf16 GEMMs take rows of a multiple 
 NAMES = ("out", "grad x", "grad gate", "grad w13", "grad w2")
 COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "reduce_scatter", "reduce_scatter_tensor", "all_reduce", "broadcast", "barrier")
+MOVING_ROWS = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor")  # the collectives that move a layer's rows
 
 
 def dtype_of(entry: registry.Entry) -> torch.dtype:
@@ -134,10 +137,10 @@ def forward_backward(layer, x: torch.Tensor, grad: torch.Tensor, use_checkpoint:
 
 
 def rows_in(kept) -> int:
-    """Rows of DIM values among what a dispatcher kept (tensors, nested in tuples and lists)."""
+    """Rows of DIM values among what a dispatcher kept (tensors, nested in tuples, lists and its deque)."""
     if isinstance(kept, torch.Tensor):
         return kept.shape[0] if kept.dim() == 2 and kept.shape[1] == DIM else 0
-    if isinstance(kept, (tuple, list)) or type(kept).__name__ == "deque":
+    if isinstance(kept, (tuple, list, collections.deque)):
         return sum(rows_in(k) for k in kept)
     return 0
 
@@ -186,15 +189,15 @@ def compare(rank: int, case: Case, device: torch.device) -> None:
     layer, mine = subject(case, entry, dtype, rank, device)
     use_checkpoint = case.what.startswith("checkpoint")
     recompute = "exchange" if case.what == "checkpoint_exchange" else "replay"
-    kept_rows: list = []
+    kept: dict = {}  # "rows": the rows the forward kept for the recompute, counted before the backward
     if use_checkpoint:
         plain, plain_calls = forward_backward(layer, x, grad)
         layer.zero_grad(set_to_none=True)
         layer, _ = subject(case, entry, dtype, rank, device)  # a fresh dispatcher: nothing kept, nothing checked yet
-        if isinstance(layer.dispatcher, ReplaysExchanges):
-            layer.dispatcher.keep_exchanges, layer.dispatcher.recompute = True, recompute
-            kept_rows = [layer.dispatcher._kept]  # what the forward keeps, looked at before the backward
-    after = (lambda: kept_rows.append(rows_in(kept_rows[0]))) if kept_rows else (lambda: None)
+    replays = use_checkpoint and isinstance(layer.dispatcher, ReplaysExchanges)
+    if replays:
+        layer.dispatcher.keep_exchanges, layer.dispatcher.recompute = True, recompute
+    after = (lambda: kept.update(rows=rows_in(layer.dispatcher._kept))) if replays else (lambda: None)
     got, calls = forward_backward(layer, x, grad, use_checkpoint, "inductor" if case.what == "compiled" else None, after)
 
     # bf16: the ranks' partial sums rounded before they are added, the expert gradients summed in another
@@ -212,17 +215,15 @@ def compare(rank: int, case: Case, device: torch.device) -> None:
             assert torch.equal(a, b), f"rank {rank}: {name} under activation checkpointing differs"
         if recompute == "replay":
             assert calls == plain_calls, f"rank {rank}: collectives {calls} checkpointed, {plain_calls} without"
-            assert not kept_rows or kept_rows[1] > 0, f"rank {rank}: the forward kept no rows to replay"
+            assert not replays or kept["rows"] > 0, f"rank {rank}: the forward kept no rows to replay"
         else:  # rows moved (not setup: barriers, all_gather's token check); on GPUs the peer-memory transport's
             # copies are no torch.distributed collective: none to count
-            moving = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                      "reduce_scatter_tensor")
-            exchanges = [c for c in calls if c in moving]
-            plain_exchanges = [c for c in plain_calls if c in moving]
+            exchanges = [c for c in calls if c in MOVING_ROWS]
+            plain_exchanges = [c for c in plain_calls if c in MOVING_ROWS]
             assert len(exchanges) > len(plain_exchanges) or not plain_exchanges, \
                 f"rank {rank}: collectives {calls} exchanging again, {plain_calls} without"
-            if kept_rows:
-                assert kept_rows[1] == 0, f"rank {rank}: the forward kept {kept_rows[1]} rows for a recompute that exchanges"
+            assert not replays or kept["rows"] == 0, \
+                f"rank {rank}: the forward kept {kept['rows']} rows for a recompute that exchanges"
 
 
 def worker(rank: int, world: int, port: int, case: Case, failures) -> None:

@@ -8,13 +8,13 @@
 #           recompute replaying: torchtitan and ours, the same optimizer for both (components/optimizer.py builds both)
 #   lb8     the config as shipped: local batch 8, bf16 AdamW moments, the recompute exchanging again ([dispatch]
 #           recompute = "exchange": no received rows kept for it, -22 GiB at lb 4): torchtitan and ours
-#   ep1     ours at the shipped setting but EP = 1 (the local dispatcher, every expert under FSDP2 over the 4 ranks:
-#           no all-to-all, the experts' weights all-gathered instead; the planner's pick for this node)
+#   ep1     the shipped setting at EP = 1, torchtitan and ours (the local dispatcher): every expert under FSDP2
+#           over the 4 ranks, no all-to-all, the experts' weights all-gathered instead (the planner's pick)
 #   accum   ours at local batch 2 x 16 micro-batches = 524,288 tokens a step, bf16 moments (accumulation keeps
 #           the experts' gradients in fp32: +13.5 GiB, which fp32 moments leave no room for)
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
 # tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 ep1 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
-# the steps; PROFILE=1 adds ours' step-time breakdown to lb8 (4 more steps). BUDGET (default 560 s) bounds
+# the steps; PROFILE=1 adds the step-time breakdowns to lb8 and ep1 (4 more steps). BUDGET (default 560 s) bounds
 # the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
 # still tabled (bench_train --report). Runs finished on a warm machine are kept in WORK (default
 # /tmp/full_model_gpu) and not trained again (--resume), so a second call goes on where the first stopped.
@@ -92,7 +92,7 @@ has lb4 && stage lb4 "$steps" "$warmup" --models torchtitan,all_to_all \
     -- --training.local_batch_size 4 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
 has lb8 && stage lb8 "$lb8_steps" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --dispatch.recompute exchange
-has ep1 && stage ep1 "$steps" "$warmup" --models local \
+has ep1 && stage ep1 "$lb8_steps" "$warmup" --models torchtitan,local ${PROFILE:+--profile} \
     -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 1 \
     --dispatch.backend local --dispatch.recompute replay
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models all_to_all --grad-accum 16 \

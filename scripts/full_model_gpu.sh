@@ -10,10 +10,13 @@
 #           recompute = "exchange": no received rows kept for it, -22 GiB at lb 4): torchtitan and ours
 #   ep1     the shipped setting at EP = 1, torchtitan and ours (the local dispatcher): every expert under FSDP2
 #           over the 4 ranks, no all-to-all, the experts' weights all-gathered instead (the planner's pick)
+#   ep1lb12 ours at EP = 1, local batch 12 (FSDP2's gathers and reductions are per step: fewer per token)
+#   ep2     torchtitan and ours (all_to_all, exchanging again) at EP = 2: experts split 2 ways, each half
+#           under FSDP2 over 2 ranks
 #   accum   ours at local batch 2 x 16 micro-batches = 524,288 tokens a step, bf16 moments (accumulation keeps
 #           the experts' gradients in fp32: +13.5 GiB, which fp32 moments leave no room for)
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
-# tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 ep1 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
+# tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 ep1 ep1lb12 ep2 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
 # the steps; PROFILE=1 adds the step-time breakdowns to lb8 and ep1 (4 more steps). BUDGET (default 560 s) bounds
 # the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
 # still tabled (bench_train --report). Runs finished on a warm machine are kept in WORK (default
@@ -25,7 +28,7 @@
 # Wheels carried in .whl (see the device notes) are installed first.
 set -uo pipefail
 out=${1:-${OUT:?usage: scripts/full_model_gpu.sh OUT}}
-stages=${STAGES:-lb2 lb4 lb8 ep1 accum}
+stages=${STAGES:-lb2 lb4 lb8 ep1 ep1lb12 ep2 accum}
 work=${WORK:-/tmp/full_model_gpu}
 steps=${STEPS:-6}
 warmup=${WARMUP:-2}
@@ -95,6 +98,12 @@ has lb8 && stage lb8 "$lb8_steps" "$warmup" --models torchtitan,all_to_all ${PRO
 has ep1 && stage ep1 "$lb8_steps" "$warmup" --models torchtitan,local ${PROFILE:+--profile} \
     -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 1 \
     --dispatch.backend local --dispatch.recompute replay
+has ep1lb12 && stage ep1lb12 "$steps" "$warmup" --models local \
+    -- --training.local_batch_size 12 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 1 \
+    --dispatch.backend local --dispatch.recompute replay
+has ep2 && stage ep2 "$steps" "$warmup" --models torchtitan,all_to_all \
+    -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 2 \
+    --dispatch.recompute exchange
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models all_to_all --grad-accum 16 \
     -- --training.local_batch_size 2 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
 

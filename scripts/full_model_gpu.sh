@@ -1,34 +1,33 @@
 #!/usr/bin/env bash
 # The full Qwen3-30B-A3B on one node of 4 H200s (issue 51), in ONE device call (nvidia-h200-x4, needs_h200):
 #   bash scripts/full_model_gpu.sh OUT
-# configs/qwen3_30b_a3b_4gpu.toml (EP = 4, seq 4096, learned router, full recompute, compiled), bench_train with
-# --gpu-power (tokens per joule over the 4 GPUs), torchtitan 0.2.2's Qwen3-MoE beside ours, few steps each:
-#   lb2     local batch 2, fp32 AdamW moments, the recompute replaying the exchanges: torchtitan and ours (all_to_all)
-#   lb4     local batch 4, bf16 AdamW moments (lb 4 does not fit with fp32 moments: the planner's breakdown), the
-#           recompute replaying: torchtitan and ours, the same optimizer for both (components/optimizer.py builds both)
-#   lb8     the config as shipped: local batch 8, bf16 AdamW moments, the recompute exchanging again ([dispatch]
-#           recompute = "exchange": no received rows kept for it, -22 GiB at lb 4): torchtitan and ours
-#   ep1     the shipped setting at EP = 1, torchtitan and ours (the local dispatcher): every expert under FSDP2
-#           over the 4 ranks, no all-to-all, the experts' weights all-gathered instead (the planner's pick)
-#   ep1lb12 ours at EP = 1, local batch 12 (FSDP2's gathers and reductions are per step: fewer per token)
-#   ep2     torchtitan and ours (all_to_all, exchanging again) at EP = 2: experts split 2 ways, each half
-#           under FSDP2 over 2 ranks
-#   accum   ours at local batch 2 x 16 micro-batches = 524,288 tokens a step, bf16 moments (accumulation keeps
-#           the experts' gradients in fp32: +13.5 GiB, which fp32 moments leave no room for)
+# configs/qwen3_30b_a3b_4gpu.toml (seq 4096, learned router, full recompute, compiled, bf16 AdamW moments unless
+# said), bench_train with --gpu-power (tokens per joule over the 4 GPUs), torchtitan 0.2.2's Qwen3-MoE beside
+# ours on the same keys, few steps each:
+#   shipped the config as shipped: EP = 1 (every expert under FSDP2 over the 4 ranks, the local dispatcher, no
+#           all-to-all), local batch 12: torchtitan and ours
+#   accum   ours as shipped x 3 micro-batches a step (589,824 tokens)
+#   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
+#           again ([dispatch] recompute = "exchange": no received rows kept for it): torchtitan and ours
+#   ep1lb8  EP = 1 at local batch 8: torchtitan and ours
+#   ep2lb8  EP = 2 (experts split 2 ways, each half under FSDP2 over 2 ranks), local batch 8, exchanging again:
+#           torchtitan and ours
+#   ep4lb4  EP = 4, local batch 4, the recompute replaying its exchanges: torchtitan and ours
+#   ep4lb2  EP = 4, local batch 2, fp32 AdamW moments, replaying: torchtitan and ours
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
-# tokens/J per GPU and peak memory. STAGES (default "lb2 lb4 lb8 ep1 ep1lb12 ep2 accum") picks stages; STEPS/WARMUP (6/2; accum 3/1)
-# the steps; PROFILE=1 adds the step-time breakdowns to lb8 and ep1 (4 more steps). BUDGET (default 560 s) bounds
-# the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
+# tokens/J per GPU and peak memory. STAGES (default "shipped accum ep4lb8") picks stages; STEPS/WARMUP (6/2; accum
+# 3/1) the steps; PROFILE=1 adds the step-time breakdowns to shipped and ep4lb8 (4 more steps). BUDGET (default
+# 560 s) bounds the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
 # still tabled (bench_train --report). Runs finished on a warm machine are kept in WORK (default
 # /tmp/full_model_gpu) and not trained again (--resume), so a second call goes on where the first stopped.
-# OUT: summary.md (the planner's breakdown, every table, failed runs' log tails), lb2.json, lb4.json,
-# accum.json, logs.tar.gz (the training logs).
+# OUT: summary.md (the planner's breakdown, every table, failed runs' log tails), STAGE.json, logs.tar.gz (the
+# training logs).
 # CONFIG, NPROC, MODES (compiled) and EXTRA (overrides for every run) are for a smoke run of the script itself, e.g. on a CPU with
 # tests/fakes/nvidia_smi on PATH: CONFIG=configs/debug.toml NPROC=2 MODES=eager EXTRA="--parallelism.expert_parallel_degree 2".
 # Wheels carried in .whl (see the device notes) are installed first.
 set -uo pipefail
 out=${1:-${OUT:?usage: scripts/full_model_gpu.sh OUT}}
-stages=${STAGES:-lb2 lb4 lb8 ep1 ep1lb12 ep2 accum}
+stages=${STAGES:-shipped accum ep4lb8}
 work=${WORK:-/tmp/full_model_gpu}
 steps=${STEPS:-6}
 warmup=${WARMUP:-2}
@@ -87,25 +86,21 @@ stage() {
 }
 
 has() { [[ " $stages " == *" $1 "* ]]; }
-lb8_steps=$steps
-[ -n "${PROFILE:-}" ] && lb8_steps=$((steps + 4))  # bench_train leaves the profiler's 1 + 3 steps out of its medians
-has lb2 && stage lb2 "$steps" "$warmup" --models torchtitan,all_to_all \
-    -- --training.local_batch_size 2 --optimizer.moments_dtype float32 --dispatch.recompute replay
-has lb4 && stage lb4 "$steps" "$warmup" --models torchtitan,all_to_all \
-    -- --training.local_batch_size 4 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
-has lb8 && stage lb8 "$lb8_steps" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
-    -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --dispatch.recompute exchange
-has ep1 && stage ep1 "$lb8_steps" "$warmup" --models torchtitan,local ${PROFILE:+--profile} \
-    -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 1 \
-    --dispatch.backend local --dispatch.recompute replay
-has ep1lb12 && stage ep1lb12 "$steps" "$warmup" --models local \
-    -- --training.local_batch_size 12 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 1 \
-    --dispatch.backend local --dispatch.recompute replay
-has ep2 && stage ep2 "$steps" "$warmup" --models torchtitan,all_to_all \
-    -- --training.local_batch_size 8 --optimizer.moments_dtype bfloat16 --parallelism.expert_parallel_degree 2 \
-    --dispatch.recompute exchange
-has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models all_to_all --grad-accum 16 \
-    -- --training.local_batch_size 2 --optimizer.moments_dtype bfloat16 --dispatch.recompute replay
+profiled=$steps
+[ -n "${PROFILE:-}" ] && profiled=$((steps + 4))  # bench_train leaves the profiler's 1 + 3 steps out of its medians
+ep1=(--parallelism.expert_parallel_degree 1 --dispatch.backend local)
+has shipped && stage shipped "$profiled" "$warmup" --models torchtitan,local ${PROFILE:+--profile} -- "${ep1[@]}"
+has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models local --grad-accum 3 -- "${ep1[@]}"
+has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
+    -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange
+has ep1lb8 && stage ep1lb8 "$steps" "$warmup" --models torchtitan,local -- "${ep1[@]}" --training.local_batch_size 8
+has ep2lb8 && stage ep2lb8 "$steps" "$warmup" --models torchtitan,all_to_all \
+    -- --parallelism.expert_parallel_degree 2 --training.local_batch_size 8 --dispatch.recompute exchange
+has ep4lb4 && stage ep4lb4 "$steps" "$warmup" --models torchtitan,all_to_all \
+    -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 4 --dispatch.recompute replay
+has ep4lb2 && stage ep4lb2 "$steps" "$warmup" --models torchtitan,all_to_all \
+    -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 2 --optimizer.moments_dtype float32 \
+    --dispatch.recompute replay
 
 tar -czf "$out/logs.tar.gz" -C "$work" $(cd "$work" && ls -d *.log */*.log 2>/dev/null) 2>/dev/null
 echo "== done in $SECONDS s; $summary"

@@ -288,13 +288,13 @@ def test_accumulation_rows_give_the_tokens_a_step_and_mfu_in_both_counts(tmp_pat
         return 0
 
     monkeypatch.setattr(bench_train, "run_training", fake_training)
-    code = main([str(ROOT / "configs" / "qwen3_30b_a3b_4gpu.toml"), "--models", "all_to_all", "--modes", "compiled",
-                 "--routers", "learned", "--grad-accum", "1,16", "--steps", "3", "--warmup", "1", "--nproc", "4",
-                 "--out", str(tmp_path), "--", "--kernels.backend", "auto", "--training.local_batch_size", "2"])
+    code = main([str(ROOT / "configs" / "qwen3_30b_a3b_4gpu.toml"), "--models", "local", "--modes", "compiled",
+                 "--routers", "learned", "--grad-accum", "1,3", "--steps", "3", "--warmup", "1", "--nproc", "4",
+                 "--out", str(tmp_path), "--", "--kernels.backend", "auto", "--training.local_batch_size", "12"])
     assert code == 0
     report = (tmp_path / "bench_train.md").read_text()
-    # 4 processes x 2 sequences x 4096 tokens a micro-batch: 32,768 tokens a step, 524,288 with 16 micro-batches
-    assert "| ours/all_to_all learned compiled | 7,718 | 32,768 | 215.4 | 21.8% | 18.0% | - | 128.2 |" in report
-    assert "| ours/all_to_all learned compiled accum 16 | 7,718 | 524,288 | 215.4 | 21.8% | 18.0% | - | 128.2 |" in report
-    result = json.loads((tmp_path / "bench_train.json").read_text())["ours/all_to_all learned compiled accum 16"]
+    # 4 processes x 12 sequences x 4096 tokens a micro-batch: 196,608 tokens a step, 589,824 with 3 micro-batches
+    assert "| ours/local learned compiled | 7,718 | 196,608 | 215.4 | 21.8% | 18.0% | - | 128.2 |" in report
+    assert "| ours/local learned compiled accum 3 | 7,718 | 589,824 | 215.4 | 21.8% | 18.0% | - | 128.2 |" in report
+    result = json.loads((tmp_path / "bench_train.json").read_text())["ours/local learned compiled accum 3"]
     assert result["mfu_causal"] == 18.0 and result["tflops_causal"] == 178.2

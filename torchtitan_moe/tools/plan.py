@@ -87,9 +87,10 @@ EFFICIENCY = {
 # of every measured peak (tests/test_plan.py), so 10% is left for its error.
 FIT_SHARE = 0.9
 NETWORK_EFFICIENCY = 0.8  # ASSUMED (not measured here): NCCL all-to-all over InfiniBand
-# Measured compute rate for the estimated step: ours eager, 30b-a3b-8l at EP = 1 on one H200, 228.5
-# TFLOP/s, i.e. 23.1% of the peak; the same share for other GPUs.
-MEASURED_MFU = 228.5 / 989.0
+# Measured compute rate for the estimated step: ours compiled, the full 30b-a3b at EP = 1 on 4 H200s (local
+# batch 12, full recompute, worklogs/2026-11-28-session23-ep1.md): 381.5 TFLOP/s of the model's FLOPs, 508.7
+# with the forward run again, i.e. 51.4% of the peak; the same share for other GPUs.
+MEASURED_MFU = 381.5 * 4 / 3 / 989.0
 
 
 def efficiency(dispatcher: str, ep: int) -> tuple[float, float]:
@@ -238,6 +239,12 @@ class Memory:
 PARTS = ("params", "grads", "optimizer", "compute_copies", "activations", "loss", "dispatch", "staging", "reuse")
 
 
+def experts_outside_fsdp(layout: Layout) -> bool:
+    """The experts' FSDP group (efsdp, and the replicas under HSDP) has one rank: they stay outside FSDP2,
+    with bf16 working copies and gradients of their own (parallelize.keep_experts_unsharded)."""
+    return layout.world > 1 and layout.replicate * (layout.shard // layout.ep) == 1
+
+
 def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str, float]]:
     """Every term of one GPU's memory: (Memory part, what it is, bytes); `memory` sums them by part."""
     T, D, V, K = run.tokens, shape.dim, shape.vocab, shape.top_k
@@ -246,8 +253,7 @@ def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str,
     # FSDP/HSDP shard every parameter; EP x efsdp = shard for the experts.
     experts_local = L * shape.expert_params / layout.shard
     dense_local = (shape.params - L * shape.expert_params) / layout.shard
-    # The experts' FSDP group (efsdp, and the replicas under HSDP) has one rank: they stay outside FSDP2.
-    outside = not one_process and layout.replicate * (layout.shard // ep) == 1
+    outside = experts_outside_fsdp(layout)
     grad_bytes = run.expert_grad_bytes if outside else 4
     items = [
         ("params", "weights, dense (fp32)", 4 * dense_local),

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchtitan_moe.tools.plan import FIT_SHARE, GIB, Gpu, Layout, Run, Shape, dispatchers, memory, memory_items
+from torchtitan_moe.tools.plan import (FIT_SHARE, GIB, Gpu, Layout, Run, Shape, dispatchers, experts_outside_fsdp, memory,
+                                       memory_items)
 
 
 def config_layout(config, nodes: int, gpus_per_node: int) -> Layout:
@@ -36,34 +37,48 @@ def config_layout(config, nodes: int, gpus_per_node: int) -> Layout:
 
 
 def candidates(layout: Layout, run: Run) -> list[tuple[str, Layout, Run, bool]]:
-    """(what, layout, run, in the code today) for the configured setting and each cut, alone and together."""
+    """(what, layout, run, in the code today) for the configured setting and each cut, alone and together: the
+    cuts of the experts' own state where they are outside FSDP2, of the kept exchanges where there are any."""
     change = dataclasses.replace
+    outside, exchanges = experts_outside_fsdp(layout), layout.ep > 1
     cuts = [
         ("bf16 AdamW moments", layout, change(run, moments_bytes=4), True),
         ("fp32 AdamW moments", layout, change(run, moments_bytes=8), True),
-        ("experts' gradients in bf16 (one micro-batch a step)", layout, change(run, expert_grad_bytes=2), True),
-        ("experts' gradients in fp32 (gradient accumulation)", layout, change(run, expert_grad_bytes=4), True),
-        ("no bf16 working copies of the experts (cast per use)", layout, change(run, expert_copies=False), False),
-        ("the recompute exchanges again (nothing kept for it)", layout, change(run, keep_exchanges=False), True),
-        ("the recompute replays its exchanges (kept for it)", layout, change(run, keep_exchanges=True), True),
+    ]
+    if outside:
+        cuts += [
+            ("experts' gradients in bf16 (one micro-batch a step)", layout, change(run, expert_grad_bytes=2), True),
+            ("experts' gradients in fp32 (gradient accumulation)", layout, change(run, expert_grad_bytes=4), True),
+            ("no bf16 working copies of the experts (cast per use)", layout, change(run, expert_copies=False), False),
+        ]
+    if exchanges:
+        cuts += [
+            ("the recompute exchanges again (nothing kept for it)", layout, change(run, keep_exchanges=False), True),
+            ("the recompute replays its exchanges (kept for it)", layout, change(run, keep_exchanges=True), True),
+        ]
+    cuts += [
         ("selective recompute (op list; estimate)", change(layout, ac="selective"), run, True),
         ("full recompute", change(layout, ac="full"), run, True),
         ("no recompute", change(layout, ac="none"), run, True),
     ]
     rows = [("as configured", layout, run, True)]
     rows += [c for c in cuts if c[2] != run or c[1] != layout]  # a cut the config already makes is no row
+    double = change(run, micro_batch=2 * run.micro_batch)
+    if not outside:
+        return rows + [(f"as configured, local batch {double.micro_batch}", layout, double, True)]
     lean = change(run, moments_bytes=4, expert_grad_bytes=2, expert_copies=False)
     rows.append(("bf16 moments + bf16 expert gradients + no working copies", layout, lean, False))
     recompute = {"full": "full recompute", "selective": "selective recompute (estimate)", "none": "no recompute"}
     rows += [(f"the same, {recompute[ac]}", change(layout, ac=ac), lean, False) for ac in recompute if ac != layout.ac]
-    rows.append(("the same, full recompute exchanging again", change(layout, ac="full"),
-                 change(lean, keep_exchanges=False), False))
-    double = change(run, micro_batch=2 * run.micro_batch)
+    if exchanges:
+        rows.append(("the same, full recompute exchanging again", change(layout, ac="full"),
+                     change(lean, keep_exchanges=False), False))
     rows.append((f"as configured, local batch {double.micro_batch}", layout, double, True))
     rows.append((f"bf16 moments + bf16 expert gradients, local batch {double.micro_batch}", layout,
                  change(double, moments_bytes=4, expert_grad_bytes=2), True))
-    rows.append((f"the same, exchanging again, local batch {double.micro_batch}", layout,
-                 change(double, moments_bytes=4, expert_grad_bytes=2, keep_exchanges=False), True))
+    if exchanges:
+        rows.append((f"the same, exchanging again, local batch {double.micro_batch}", layout,
+                     change(double, moments_bytes=4, expert_grad_bytes=2, keep_exchanges=False), True))
     rows.append((f"+ no working copies, local batch {double.micro_batch}", layout,
                  change(double, moments_bytes=4, expert_grad_bytes=2, expert_copies=False), False))
     return rows

@@ -7,6 +7,8 @@
 #   shipped the config as shipped: EP = 1 (every expert under FSDP2 over the 4 ranks, the local dispatcher, no
 #           all-to-all), local batch 12: torchtitan and ours
 #   accum   ours as shipped x 3 micro-batches a step (589,824 tokens)
+#   rsgroup ours as shipped, FSDP2's reduce-scatters on the all-gathers' process group and on one of their own
+#           ([parallelism] fsdp_reduce_scatter_group = shared, separate; bench_train --vary, one run)
 #   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
 #           again ([dispatch] recompute = "exchange": no received rows kept for it): torchtitan and ours
 #   ep1lb8  EP = 1 at local batch 8: torchtitan and ours
@@ -91,6 +93,8 @@ profiled=$steps
 ep1=(--parallelism.expert_parallel_degree 1 --dispatch.backend local)
 has shipped && stage shipped "$profiled" "$warmup" --models torchtitan,local ${PROFILE:+--profile} -- "${ep1[@]}"
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models local --grad-accum 3 -- "${ep1[@]}"
+has rsgroup && stage rsgroup "$steps" "$warmup" --models local --vary parallelism.fsdp_reduce_scatter_group=shared,separate \
+    -- "${ep1[@]}"
 has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange
 has ep1lb8 && stage ep1lb8 "$steps" "$warmup" --models torchtitan,local -- "${ep1[@]}" --training.local_batch_size 8

@@ -87,9 +87,9 @@ EFFICIENCY = {
 # of every measured peak (tests/test_plan.py), so 10% is left for its error.
 FIT_SHARE = 0.9
 NETWORK_EFFICIENCY = 0.8  # ASSUMED (not measured here): NCCL all-to-all over InfiniBand
-# Measured compute rate for the estimated step: ours compiled, the full 30b-a3b at EP = 1 on 4 H200s (local
-# batch 12, full recompute, worklogs/2026-11-28-session23-ep1.md): 381.5 TFLOP/s of the model's FLOPs, 508.7
-# with the forward run again, i.e. 51.4% of the peak; the same share for other GPUs.
+# Measured compute rate for the estimated step: bench_train of configs/qwen3_30b_a3b_4gpu.toml as shipped (the
+# full 30b-a3b compiled at EP = 1 on 4 H200s, local batch 12, full recompute): 381.5 TFLOP/s of the model's
+# FLOPs, 508.7 with the forward run again, i.e. 51.4% of the peak; the same share for other GPUs.
 MEASURED_MFU = 381.5 * 4 / 3 / 989.0
 
 

@@ -121,6 +121,9 @@ def test_vary_trains_each_combination_of_ours_and_compares_it_with_the_first():
     rows = table([tt, plain, v], {k: {**r, "tflops": 1.0, "memory_gib": 1.0} for k, r in results.items()})
     assert "| 2.20x | - |" in rows  # against torchtitan as configured
     # A bad key or value stops before anything trains, naming it.
+    with pytest.raises(SystemExit, match=r"--vary training.local_batch_size is also set after `--`"):
+        check_combinations("configs/debug.toml", ["--training.local_batch_size", "4"],
+                           vary_combinations(["training.local_batch_size=2,4"]), 1)
     with pytest.raises(SystemExit, match=r"--vary dispatch.overlap=both: .*overlap must be 'none' \| 'chunks'"):
         check_combinations("configs/debug.toml", [], vary_combinations(["dispatch.overlap=both"]), 1)
     with pytest.raises(SystemExit, match="unknown key 'nokey'"):
@@ -274,6 +277,29 @@ def test_report_writes_the_tables_of_the_runs_in_out_without_training(tmp_path, 
     shutil.rmtree(tmp_path / "ours_local_learned_eager")
     assert main([*args, "--report"]) == 1
     assert "failed" in json.loads((tmp_path / "bench_train.json").read_text())["ours/local learned eager"]
+
+
+def test_a_varied_local_batch_gives_each_rows_tokens_a_step(tmp_path, monkeypatch):
+    from torchtitan_moe.tools import bench_train
+
+    def fake_training(config, dump, overrides, nproc, log):
+        dump.mkdir(parents=True, exist_ok=True)
+        rows = [{"step": s, "loss": 5.0, "throughput(tps)": 100.0, "tflops": 1.0, "mfu(%)": 1.0,
+                 "memory/max_reserved(GiB)": 1.0} for s in (1, 2, 3)]
+        (dump / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        return 0
+
+    monkeypatch.setattr(bench_train, "run_training", fake_training)
+    code = main([str(ROOT / "configs" / "debug.toml"), "--models", "local", "--modes", "eager", "--routers", "learned", "--steps", "3",
+                 "--warmup", "1", "--nproc", "2", "--grad-accum", "1,2", "--vary", "training.local_batch_size=2,4",
+                 "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "bench_train.json").read_text())
+    seq = 128  # configs/debug.toml's
+    for batch in (2, 4):
+        for accum in (1, 2):
+            name = f"ours/local learned eager{f' accum {accum}' if accum > 1 else ''} training.local_batch_size={batch}"
+            assert result[name]["tokens_per_step"] == 2 * batch * seq * accum, name
 
 
 def test_accumulation_rows_give_the_tokens_a_step_and_mfu_in_both_counts(tmp_path, monkeypatch):

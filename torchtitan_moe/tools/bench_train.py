@@ -25,7 +25,9 @@ torchtitan's MoE runs on CUDA only.
 values (torchtitan's once, as configured) and adds a table of each combination against the first
 one, same run: e.g. `--vary dispatch.overlap=none,chunks`, `--vary dispatch.buffers=exact,worst_case`,
 `--vary optimizer.moments_dtype=float32,bfloat16`, `--vary data.attention=causal,document` (document masking's cost,
-with `-- --training.dataset shards --training.dataset_path DIR`). Every combination is checked as a config first.
+with `-- --training.dataset shards --training.dataset_path DIR`), `--vary training.local_batch_size=12,16` (each
+row's tokens a step its own). Every combination is checked as a config first; a varied key also set after `--`
+(which would override it) is refused.
 
 --repeat K trains every variant K times, in K rounds of all variants (so a slow spell of the machine falls on
 every variant alike), every second round in the reverse order (A B, B A, ...: on 2 H200s the second of two
@@ -93,6 +95,10 @@ class Variant:
         model = "torchtitan" if self.model == "torchtitan" else f"ours/{self.model}"
         varied = "".join(f" {key}={value}" for key, value in self.vary)
         return f"{model} {self.router} {self.mode}" + (f" accum {self.accum}" if self.accum > 1 else "") + varied
+
+    def value(self, key: str, default: int) -> int:
+        """An integer key's value in this variant: its --vary value, else `default` (the config's)."""
+        return int(dict(self.vary).get(key, default))
 
     def global_batch(self, local_batch: int, nproc: int) -> list[str]:
         """torchtitan's global batch for this variant's accumulation (every process is a data-parallel rank)."""
@@ -296,6 +302,11 @@ def check_combinations(config: str, extra: list[str], combinations: list, nproc:
     from torchtitan_moe.config.sections import ConfigError
     from torchtitan_moe.train.job_config import load_job_config
 
+    after = {a[2:].split("=", 1)[0] for a in extra if a.startswith("--")}  # these come last: they would win
+    both = sorted({key for vary in combinations for key, _ in vary} & after)
+    if both:
+        raise SystemExit(f"bench_train: --vary {both[0]} is also set after `--`, which would override every varied "
+                         "value: set it in one place")
     for vary in combinations:
         if not vary:
             continue
@@ -459,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
                 again = f", round {round_} of {args.repeat}" if args.repeat > 1 else ""
                 print(f"bench_train [{i}/{len(variants)}] {v.name}: {args.steps} steps on {nproc} processes{again}",
                       flush=True)
-                overrides = [*v.overrides(), *v.global_batch(local_batch, nproc), "--training.steps", str(args.steps),
+                overrides = [*v.overrides(), *v.global_batch(v.value("training.local_batch_size", local_batch), nproc),
+                             "--training.steps", str(args.steps),
                              "--metrics.log_freq", str(args.log_freq), "--debug.seed", str(seed),
                              *(profiling_overrides(args.steps) if args.profile else []), *args.extra]
                 (dump / FINISHED).unlink(missing_ok=True)
@@ -476,7 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
                 continue
             run = summarize(read_metrics(dump), args.warmup, PROFILED_STEPS + 1 if args.profile else 0)
-            run["tokens_per_step"] = local_batch * seq_len * nproc * v.accum
+            run["tokens_per_step"] = (v.value("training.local_batch_size", local_batch) * v.value("training.seq_len", seq_len)
+                                      * nproc * v.accum)
             print(f"  {run['tps']:,.0f} tokens/s/GPU", flush=True)
             if args.gpu_power:
                 run["gpus"] = gpus_during(samples, run, devices)

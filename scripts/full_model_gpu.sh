@@ -11,8 +11,6 @@
 #           ([parallelism] fsdp_reduce_scatter_group = shared, separate; bench_train --vary, one run)
 #   xs      ours as shipped and at local batch 16, the allocator's expandable segments on (PYTORCH_CUDA_ALLOC_CONF;
 #           torchtitan's own launcher sets them, ours does not): the segments reserved but free at the peak
-#   rbf16   ours as shipped, gradients reduce-scattered in fp32 and in bf16 ([training] mixed_precision_reduce,
-#           bench_train --vary, one run): what the reduction's bytes cost (bf16 changes numerics)
 #   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
 #           again ([dispatch] recompute = "exchange": no received rows kept for it): torchtitan and ours
 #   ep1lb8  EP = 1 at local batch 8: torchtitan and ours
@@ -101,8 +99,6 @@ has rsgroup && stage rsgroup "$steps" "$warmup" --models local --vary parallelis
     -- "${ep1[@]}"
 has xs && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage xs "$steps" "$warmup" --models local \
     --vary training.local_batch_size=12,16 -- "${ep1[@]}"
-has rbf16 && stage rbf16 "$steps" "$warmup" --models local --vary training.mixed_precision_reduce=float32,bfloat16 \
-    -- "${ep1[@]}"
 has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange
 has ep1lb8 && stage ep1lb8 "$steps" "$warmup" --models torchtitan,local -- "${ep1[@]}" --training.local_batch_size 8

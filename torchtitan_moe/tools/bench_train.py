@@ -488,8 +488,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  failed (exit {code}):\n{log_tail(log, 8)}", flush=True)
                 continue
             run = summarize(read_metrics(dump), args.warmup, PROFILED_STEPS + 1 if args.profile else 0)
-            run["tokens_per_step"] = (v.value("training.local_batch_size", local_batch) * v.value("training.seq_len", seq_len)
-                                      * nproc * v.accum)
+            batch = v.value("training.local_batch_size", local_batch)
+            run["tokens_per_step"] = batch * v.value("training.seq_len", seq_len) * nproc * v.accum
             print(f"  {run['tps']:,.0f} tokens/s/GPU", flush=True)
             if args.gpu_power:
                 run["gpus"] = gpus_during(samples, run, devices)

@@ -9,8 +9,9 @@
 #   accum   ours as shipped x 3 micro-batches a step (589,824 tokens)
 #   rsgroup ours as shipped, FSDP2's reduce-scatters on the all-gathers' process group and on one of their own
 #           ([parallelism] fsdp_reduce_scatter_group = shared, separate; bench_train --vary, one run)
-#   xs      ours as shipped and at local batch 16, the allocator's expandable segments on (PYTORCH_CUDA_ALLOC_CONF;
-#           torchtitan's own launcher sets them, ours does not): the segments reserved but free at the peak
+#   xs      ours as shipped and at local batch 16 and 24, the allocator's expandable segments on
+#           (PYTORCH_CUDA_ALLOC_CONF; torchtitan's own launcher sets them, ours does not): at local batch 12 the
+#           peak reserves 22 GiB more than it allocates, and 8 -> 12 added 2.6 GiB allocated, 10 reserved
 #   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
 #           again ([dispatch] recompute = "exchange": no received rows kept for it): torchtitan and ours
 #   ep1lb8  EP = 1 at local batch 8: torchtitan and ours
@@ -98,7 +99,7 @@ has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models local
 has rsgroup && stage rsgroup "$steps" "$warmup" --models local --vary parallelism.fsdp_reduce_scatter_group=shared,separate \
     -- "${ep1[@]}"
 has xs && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage xs "$steps" "$warmup" --models local \
-    --vary training.local_batch_size=12,16 -- "${ep1[@]}"
+    --vary training.local_batch_size=12,16,24 -- "${ep1[@]}"
 has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange
 has ep1lb8 && stage ep1lb8 "$steps" "$warmup" --models torchtitan,local -- "${ep1[@]}" --training.local_batch_size 8

@@ -47,6 +47,7 @@ GRACE_S = 5
 DEADLINE_S = 300
 # Asked for its stack, a rank has this long to write it before it is killed.
 DUMP_S = 2
+POLL_S = 2  # _launch looks at its ranks at least this often
 
 
 def _stacks_on_sigusr1(path: str) -> None:
@@ -65,7 +66,7 @@ def _kill_with_stacks(procs: dict[int, "mp.Process"], dumps: dict[int, Path]) ->
     time.sleep(DUMP_S)
     for proc in procs.values():
         proc.kill()
-        proc.join()
+        proc.join(timeout=DUMP_S)  # (a process the fork server never reports on: not forever)
     return "".join(f"\nrank {rank} was stuck in:\n{dumps[rank].read_text()[-6000:]}" for rank in procs
                    if dumps[rank].exists())
 
@@ -135,7 +136,7 @@ def _context():
         missing = ctx.SimpleQueue()
         probe = ctx.Process(target=_not_imported, args=(PRELOAD, missing))
         probe.start()
-        probe.join()
+        probe.join(timeout=60)  # (its exit unreported by the fork server: not forever; see _launch)
         if not_imported := missing.get():
             raise RuntimeError(f"the tests' fork server did not import {not_imported} (spawn_ranks.PRELOAD): every "
                                "rank would import them again")
@@ -328,24 +329,63 @@ def _launch(target, args: tuple, nproc: int, stacks: Path, timeout: int) -> str:
     each wrote to its stack_file (`stacks`<rank>.txt, registered with _stacks_on_sigusr1)."""
     ctx, port = _context(), free_port()
     files = {rank: stacks.with_name(f"{stacks.name}{rank}.txt") for rank in range(nproc)}
+    for rank in range(nproc):
+        _exit_file(files[rank]).unlink(missing_ok=True)
     ranks = [ctx.Process(target=target, args=(rank, nproc, port, str(files[rank]), *args)) for rank in range(nproc)]
     for proc in ranks:
         proc.start()
     deadline, failed_at = time.monotonic() + timeout, None
-    while any(proc.is_alive() for proc in ranks):
-        if failed_at is None and any(proc.exitcode not in (None, 0) for proc in ranks):
+    codes: dict[int, int | None] = {}  # rank -> exit status, once it ended (None: ended, status unknown)
+    while len(codes) < nproc:
+        for rank, proc in enumerate(ranks):
+            if rank not in codes and (code := _ended(proc, files[rank])) is not _RUNNING:
+                codes[rank] = code
+        if failed_at is None and any(code != 0 for code in codes.values()):
             failed_at = time.monotonic()
         limit = deadline if failed_at is None else min(deadline, failed_at + GRACE_S)
-        if time.monotonic() >= limit:
+        if len(codes) == nproc or time.monotonic() >= limit:
             break
-        mp_connection.wait([proc.sentinel for proc in ranks if proc.is_alive()], timeout=limit - time.monotonic())
-    killed = [rank for rank, proc in enumerate(ranks) if proc.is_alive()]
+        # The fork server reports an exit through the sentinel; at times it reported none for minutes after the
+        # rank had ended and was reaped (a test's launch then waited for its whole timeout): look every POLL_S.
+        running = [proc.sentinel for rank, proc in enumerate(ranks) if rank not in codes]
+        mp_connection.wait(running, timeout=min(POLL_S, limit - time.monotonic()))
+    killed = [rank for rank in range(nproc) if rank not in codes]
     stacks_text = _kill_with_stacks({rank: ranks[rank] for rank in killed}, files)
-    codes = {rank: proc.exitcode for rank, proc in enumerate(ranks) if proc.exitcode != 0 and rank not in killed}
+    codes = {rank: code for rank, code in codes.items() if code != 0}
     if not (codes or killed):
         return ""
     cause = f"the launch ran past {timeout} s" if failed_at is None else "a rank failed"
     return (f"ranks {killed} killed ({cause}); " if killed else "") + f"exit codes {codes}{stacks_text}"
+
+
+_RUNNING = object()
+
+
+def _exit_file(stacks: Path | str) -> Path:
+    """Where a rank of _launch leaves its exit status before it ends (next to its stacks' file)."""
+    return Path(f"{stacks}.exit")
+
+
+def _ended(proc, stacks: Path) -> int | None | object:
+    """A rank of _launch: _RUNNING, or its exit status: the fork server's word, else, once its process is gone
+    (ended and reaped, or a zombie), the status it left in its exit file (None: it left none, killed)."""
+    if not proc.is_alive():
+        return proc.exitcode
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                return _RUNNING
+    except FileNotFoundError:
+        pass
+    exit_file = _exit_file(stacks)
+    return int(exit_file.read_text()) if exit_file.exists() else None
+
+
+def _exit(code: int, stacks: str) -> None:
+    """End a rank of _launch with `code`, leaving it in its exit file first (see _ended)."""
+    sys.stdout.flush(), sys.stderr.flush()
+    _exit_file(stacks).write_text(str(code))
+    os._exit(code)  # (no atexit handlers of the fork server's modules)
 
 
 def _as_torchrun_rank(rank: int, world: int, port: int, env: dict[str, str], torchrun: bool, out: str,
@@ -375,9 +415,7 @@ def _plan_rank(rank: int, world: int, port: int, stacks: str, plan_path: str, lo
     _as_torchrun_rank(rank, world, port, env, True, log_path, stacks)
     import resume_harness
 
-    code = resume_harness.main(plan_path)
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)  # (no atexit handlers of the fork server's modules)
+    _exit(resume_harness.main(plan_path), stacks)
 
 
 def _module_rank(rank: int, world: int, port: int, stacks: str, module: str, argv: list[str], log_path: str,
@@ -395,8 +433,7 @@ def _module_rank(rank: int, world: int, port: int, stacks: str, module: str, arg
     except BaseException:
         traceback.print_exc()
         code = 1
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)
+    _exit(code, stacks)
 
 
 def train_debug(dump: Path, *overrides: str, nproc: int = 2) -> list[dict]:

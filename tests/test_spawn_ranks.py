@@ -98,3 +98,17 @@ def test_a_fork_server_that_did_not_import_the_preload_is_an_error():
                          text=True, timeout=120)
     assert run.returncode == 1 and ("RuntimeError: the tests' fork server did not import ['no_such_module_anywhere'] "
                                     "(spawn_ranks.PRELOAD)") in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("argv, code", [(["--help"], 0), (["--no-such-flag"], 2)])
+def test_a_launch_sees_its_ranks_end_when_the_fork_server_does_not_say_so(tmp_path, monkeypatch, argv, code):
+    # The fork server at times reported a rank's exit minutes after the rank had ended and been reaped: the
+    # launch (launch_plan, launch_command) waited for its whole timeout. Here it reports nothing at all: the
+    # launch still ends within seconds, with the exit status each rank left.
+    from multiprocessing.context import ForkServerProcess
+
+    monkeypatch.setattr(ForkServerProcess, "is_alive", lambda self: True)
+    start = time.monotonic()
+    got = spawn_ranks.launch_command([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m",
+                                      "json.tool", *argv], tmp_path / "log", timeout=120)
+    assert got == int(code != 0) and time.monotonic() - start < 30

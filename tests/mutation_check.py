@@ -273,7 +273,7 @@ MUTATIONS = [
       "    except FileNotFoundError:\n        pass\n    exit_file", "    except FileNotFoundError:\n        return _RUNNING\n    exit_file",
       ("tests/test_spawn_ranks.py", "-k", "fork_server_does_not")),
     M("spawn_ranks: a rank leaves 0 whatever its exit status", "tests/spawn_ranks.py",
-      "_exit_file(stacks).write_text(str(code))", "_exit_file(stacks).write_text(str(0))",
+      "            _exit_file(stacks).write_text(str(code))", "            _exit_file(stacks).write_text(str(0))",
       ("tests/test_spawn_ranks.py", "-k", "fork_server_does_not")),
     M("planner: the recompute's second exchange left out of the step estimate", "torchtitan_moe/tools/plan.py",
       'passes = 3 if layout.ac != "none" and not run.keep_exchanges else 2', "passes = 2",

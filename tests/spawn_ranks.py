@@ -336,9 +336,10 @@ def _launch(target, args: tuple, nproc: int, stacks: Path, timeout: int) -> str:
         proc.start()
     deadline, failed_at = time.monotonic() + timeout, None
     codes: dict[int, int | None] = {}  # rank -> exit status, once it ended (None: ended, status unknown)
+    gone_since: dict[int, float] = {}  # pid -> when its process was first seen gone without a word
     while len(codes) < nproc:
         for rank, proc in enumerate(ranks):
-            if rank not in codes and (code := _ended(proc, files[rank])) is not _RUNNING:
+            if rank not in codes and (code := _ended(proc, files[rank], gone_since)) is not _RUNNING:
                 codes[rank] = code
         if failed_at is None and any(code != 0 for code in codes.values()):
             failed_at = time.monotonic()
@@ -366,9 +367,10 @@ def _exit_file(stacks: Path | str) -> Path:
     return Path(f"{stacks}.exit")
 
 
-def _ended(proc, stacks: Path) -> int | None | object:
+def _ended(proc, stacks: Path, gone_since: dict) -> int | None | object:
     """A rank of _launch: _RUNNING, or its exit status: the fork server's word, else, once its process is gone
-    (ended and reaped, or a zombie), the status it left in its exit file (None: it left none, killed)."""
+    (ended and reaped, or a zombie), the status it left in its exit file; with neither GRACE_S after it went,
+    None (ended, status unknown: killed)."""
     if not proc.is_alive():
         return proc.exitcode
     try:
@@ -378,14 +380,29 @@ def _ended(proc, stacks: Path) -> int | None | object:
     except FileNotFoundError:
         pass
     exit_file = _exit_file(stacks)
-    return int(exit_file.read_text()) if exit_file.exists() else None
+    if exit_file.exists():
+        return int(exit_file.read_text())
+    went = gone_since.setdefault(proc.pid, time.monotonic())
+    return None if time.monotonic() - went > GRACE_S else _RUNNING
 
 
-def _exit(code: int, stacks: str) -> None:
-    """End a rank of _launch with `code`, leaving it in its exit file first (see _ended)."""
+def _exit(code: int) -> None:
+    """End a rank of _launch with `code` (os._exit, made by _as_torchrun_rank to leave it in its exit file)."""
     sys.stdout.flush(), sys.stderr.flush()
-    _exit_file(stacks).write_text(str(code))
     os._exit(code)  # (no atexit handlers of the fork server's modules)
+
+
+def _leave_exit_status(stacks: str) -> None:
+    """Make this rank's os._exit leave its status in its exit file first (see _ended): the rank's own ends and
+    the package's (compat.exit_process ends a gloo run with os._exit)."""
+    real_exit = os._exit
+
+    def exit_leaving_status(code: int) -> None:
+        with contextlib.suppress(OSError):
+            _exit_file(stacks).write_text(str(code))
+        real_exit(code)
+
+    os._exit = exit_leaving_status
 
 
 def _as_torchrun_rank(rank: int, world: int, port: int, env: dict[str, str], torchrun: bool, out: str,
@@ -406,6 +423,7 @@ def _as_torchrun_rank(rank: int, world: int, port: int, env: dict[str, str], tor
     fd = os.open(out, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     os.dup2(fd, 1), os.dup2(fd, 2)
     _stacks_on_sigusr1(stacks)
+    _leave_exit_status(stacks)
     torch.set_num_threads(1)  # OMP_NUM_THREADS=1 is read once, at torch's first parallel region
 
 
@@ -415,7 +433,7 @@ def _plan_rank(rank: int, world: int, port: int, stacks: str, plan_path: str, lo
     _as_torchrun_rank(rank, world, port, env, True, log_path, stacks)
     import resume_harness
 
-    _exit(resume_harness.main(plan_path), stacks)
+    _exit(resume_harness.main(plan_path))
 
 
 def _module_rank(rank: int, world: int, port: int, stacks: str, module: str, argv: list[str], log_path: str,
@@ -433,7 +451,7 @@ def _module_rank(rank: int, world: int, port: int, stacks: str, module: str, arg
     except BaseException:
         traceback.print_exc()
         code = 1
-    _exit(code, stacks)
+    _exit(code)
 
 
 def train_debug(dump: Path, *overrides: str, nproc: int = 2) -> list[dict]:

@@ -33,7 +33,6 @@ class OwnGroupReduceScatter:
         self.group = group
         self.ranks = dist.get_process_group_ranks(group)
         self.checked: set[int] = set()  # ids of the FSDP2 groups found to hold the same ranks
-        self.calls = 0
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -46,7 +45,6 @@ class OwnGroupReduceScatter:
                 raise RuntimeError(f"reduce-scatter on its own group: FSDP2 reduces over ranks {fsdp_ranks}, "
                                    f"this group holds {self.ranks}")
             self.checked.add(id(group))
-        self.calls += 1
         return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=self.group, async_op=async_op)
 
 

@@ -5,13 +5,14 @@
 # said), bench_train with --gpu-power (tokens per joule over the 4 GPUs), torchtitan 0.2.2's Qwen3-MoE beside
 # ours on the same keys, few steps each:
 #   shipped the config as shipped: EP = 1 (every expert under FSDP2 over the 4 ranks, the local dispatcher, no
-#           all-to-all), local batch 12: torchtitan and ours
-#   accum   ours as shipped x 3 micro-batches a step (589,824 tokens)
+#           all-to-all), local batch 16, expandable segments: ours
+#   baseline torchtitan at its fastest fitting setting on the same keys: local batch TT_BATCH (default 12)
+#   accum   ours as shipped x 3 micro-batches a step (786,432 tokens)
+#   batches ours as shipped at local batches BATCHES (default 12,24,32; --vary, one run)
+#   fixed   ours as shipped with the allocator's fixed-size segments ([training] no-expandable_segments), the
+#           segments tools/plan.py models
 #   rsgroup ours as shipped, FSDP2's reduce-scatters on the all-gathers' process group and on one of their own
 #           ([parallelism] fsdp_reduce_scatter_group = shared, separate; bench_train --vary, one run)
-#   xs      ours as shipped and at local batch 16 and 24, the allocator's expandable segments on
-#           (PYTORCH_CUDA_ALLOC_CONF; torchtitan's own launcher sets them, ours does not): at local batch 12 the
-#           peak reserves 22 GiB more than it allocates, and 8 -> 12 added 2.6 GiB allocated, 10 reserved
 #   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
 #           again ([dispatch] recompute = "exchange": no received rows kept for it): torchtitan and ours
 #   ep1lb8  EP = 1 at local batch 8: torchtitan and ours
@@ -20,7 +21,7 @@
 #   ep4lb4  EP = 4, local batch 4, the recompute replaying its exchanges: torchtitan and ours
 #   ep4lb2  EP = 4, local batch 2, fp32 AdamW moments, replaying: torchtitan and ours
 # Each table gives tokens/s/GPU, tokens a step, TFLOP/s, MFU in torchtitan's count and in the causal count,
-# tokens/J per GPU and peak memory. STAGES (default "shipped accum ep4lb8") picks stages; STEPS/WARMUP (6/2; accum
+# tokens/J per GPU and peak memory. STAGES (default "shipped baseline accum") picks stages; STEPS/WARMUP (6/2; accum
 # 3/1) the steps; PROFILE=1 adds the step-time breakdowns to shipped and ep4lb8 (4 more steps). BUDGET (default
 # 560 s) bounds the whole script: a stage gets what is left, is stopped at the deadline, and its finished runs are
 # still tabled (bench_train --report). Runs finished on a warm machine are kept in WORK (default
@@ -32,7 +33,7 @@
 # Wheels carried in .whl (see the device notes) are installed first.
 set -uo pipefail
 out=${1:-${OUT:?usage: scripts/full_model_gpu.sh OUT}}
-stages=${STAGES:-shipped accum ep4lb8}
+stages=${STAGES:-shipped baseline accum}
 work=${WORK:-/tmp/full_model_gpu}
 steps=${STEPS:-6}
 warmup=${WARMUP:-2}
@@ -94,12 +95,15 @@ has() { [[ " $stages " == *" $1 "* ]]; }
 profiled=$steps
 [ -n "${PROFILE:-}" ] && profiled=$((steps + 4))  # bench_train leaves the profiler's 1 + 3 steps out of its medians
 ep1=(--parallelism.expert_parallel_degree 1 --dispatch.backend local)
-has shipped && stage shipped "$profiled" "$warmup" --models torchtitan,local ${PROFILE:+--profile} -- "${ep1[@]}"
+has shipped && stage shipped "$profiled" "$warmup" --models local ${PROFILE:+--profile} -- "${ep1[@]}"
+has baseline && stage baseline "$steps" "$warmup" --models torchtitan \
+    -- "${ep1[@]}" --training.local_batch_size "${TT_BATCH:-12}"
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models local --grad-accum 3 -- "${ep1[@]}"
+has batches && stage batches "$steps" "$warmup" --models local --vary training.local_batch_size=${BATCHES:-12,24,32} \
+    -- "${ep1[@]}"
+has fixed && stage fixed "$steps" "$warmup" --models local -- "${ep1[@]}" --training.no-expandable_segments
 has rsgroup && stage rsgroup "$steps" "$warmup" --models local --vary parallelism.fsdp_reduce_scatter_group=shared,separate \
     -- "${ep1[@]}"
-has xs && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True stage xs "$steps" "$warmup" --models local \
-    --vary training.local_batch_size=12,16,24 -- "${ep1[@]}"
 has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange
 has ep1lb8 && stage ep1lb8 "$steps" "$warmup" --models torchtitan,local -- "${ep1[@]}" --training.local_batch_size 8

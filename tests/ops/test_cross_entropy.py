@@ -2,7 +2,8 @@
 
 The kernel (cross_entropy_rows_) is checked on its own: per-row loss within fp32 reduction
 error, the gradient written over the logits within one rounding of their dtype. The op is
-checked whole: loss, dh and dweight (the gradient GEMMs, the backward's scaling, ignored rows).
+checked whole: loss, dh and dweight (the gradient GEMMs, the backward's scaling, ignored rows),
+in one chunk of rows and in several (dweight summed over the chunks in fp32, rounded once).
 """
 
 import pytest
@@ -83,19 +84,19 @@ def test_kernel_is_stable_for_large_logits(device):
     assert torch.allclose(got.cpu(), torch.tensor([1e4, 0.0]) + torch.tensor([0.0, torch.log(torch.tensor(303.0))]))
 
 
-def run(h, w, labels, backend, dloss=0.75):
+def run(h, w, labels, backend, dloss=0.75, chunk_rows=None):
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss = ops.linear_cross_entropy(h, w, labels, backend=backend)
+    loss = ops.linear_cross_entropy(h, w, labels, backend=backend, chunk_rows=chunk_rows)
     return (loss, *torch.autograd.grad(loss, (h, w), torch.tensor(dloss, device=loss.device)))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend, chunk_rows", [("triton", None), ("triton", 7), ("torch", None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("N, ignored", [(0, 0.0), (40, 0.0), (40, 0.3), (40, 1.0)])
-def test_linear_cross_entropy(N, ignored, dtype, backend, device, poison_empty):
+def test_linear_cross_entropy(N, ignored, dtype, backend, chunk_rows, device, poison_empty):
     D, V, dloss = 24, 700, 0.75
     h, w, labels = inputs(N, D, V, dtype, device, seed=N, ignored=ignored)
-    loss, dh, dw = run(h, w, labels, backend, dloss)
+    loss, dh, dw = run(h, w, labels, backend, dloss, chunk_rows)
     assert loss.dtype == torch.float32 and dh.dtype == dw.dtype == dtype
     rows, terms, grad, _ = exact_rows(h @ w.t(), labels)  # the op's own logits, rounded to dtype
     assert_sum("loss", loss.cpu().view(1), rows.sum().view(1), terms.sum().view(1))
@@ -108,6 +109,47 @@ def test_linear_cross_entropy(N, ignored, dtype, backend, device, poison_empty):
     if N:
         ignored_rows = (labels == IGNORE_INDEX).cpu()
         assert (dh.cpu()[ignored_rows] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_chunks_sum_the_weight_gradient_in_fp32(dtype, device):
+    # Against float64 from the same G the op makes chunk by chunk: dh one rounding of each row's G @ w,
+    # dweight one rounding of the sum over all 13 chunks (a 16-bit sum of the chunks' products is off by several).
+    N, D, V, chunk = 64, 24, 700, 5
+    h, w, labels = inputs(N, D, V, dtype, device, seed=7, ignored=0.1)
+    _, dh, dw = run(h, w, labels, "triton", dloss=1.0, chunk_rows=chunk)
+    grad = torch.cat([_gradient_rows(h[i:i + chunk] @ w.t(), labels[i:i + chunk]) for i in range(0, N, chunk)])
+    h64, w64, g64 = h.cpu().double(), w.cpu().double(), grad.cpu().double()
+    fp32_sum = REDUCTION_EPS[torch.float32]
+    assert_ulp("dh", dh.cpu(), g64 @ w64, slack=g64.abs() @ w64.abs() * fp32_sum)
+    assert_ulp("dweight", dw.cpu(), g64.t() @ h64, slack=g64.abs().t() @ h64.abs() * fp32_sum)
+
+
+def _gradient_rows(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    from torchtitan_moe.ops.cross_entropy_triton import cross_entropy_rows_
+
+    cross_entropy_rows_(logits, labels, IGNORE_INDEX)  # overwrites the logits with G
+    return logits
+
+
+def test_logits_are_made_a_chunk_at_a_time(device, monkeypatch):
+    # The default chunk: as many rows as LOGITS_CHUNK_BYTES of logits hold, never the whole [N, V].
+    from torchtitan_moe.ops import cross_entropy, cross_entropy_triton
+
+    seen = []
+    kernel = cross_entropy_triton.cross_entropy_rows_
+    monkeypatch.setattr(cross_entropy_triton, "cross_entropy_rows_",
+                        lambda logits, *args: seen.append(tuple(logits.shape)) or kernel(logits, *args))
+    monkeypatch.setattr(cross_entropy, "LOGITS_CHUNK_BYTES", 8 * 700 * 2)  # 8 rows of bf16
+    h, w, labels = inputs(30, 24, 700, torch.bfloat16, device, seed=8)
+    run(h, w, labels, "triton")
+    assert seen == [(8, 700)] * 3 + [(6, 700)]
+
+
+def test_chunk_rows_must_be_positive():
+    h, w, labels = inputs(4, 8, 50, torch.float32, "cpu", seed=3)
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1, got 0"):
+        ops.linear_cross_entropy(h, w, labels, chunk_rows=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -9,13 +9,15 @@
 logits = h @ weight.T [N, V] in h's dtype, as an nn.Linear makes them.
 
 torch    the reference and torchtitan's own math: F.cross_entropy of the fp32 logits, autograd.
-triton   one kernel reads each logits row twice (max and sum online in fp32, then softmax -
-         one-hot) and overwrites it with its gradient G in h's dtype; the two gradient GEMMs run
-         at once, dh = G @ weight [N, D] and dweight = G.T @ h [V, D], and the backward only
-         scales them by the loss's incoming gradient. Neither fp32 logits nor fp32
-         log-probabilities are made or kept: at 8192 tokens and Qwen3's 151,936-token vocabulary
-         those are 5 GB each in torchtitan's loss. G is rounded before that scaling (torchtitan
-         rounds after): the two differ by at most one rounding of h's dtype.
+triton   the rows in chunks of at most LOGITS_CHUNK_BYTES of logits [n, V]: one kernel reads each
+         logits row twice (max and sum online in fp32, then softmax - one-hot) and overwrites it
+         with its gradient G in h's dtype; then dh[rows] = G @ weight [n, D] and
+         dweight += G.T @ h[rows] [V, D], accumulated over the chunks in fp32 and rounded once at
+         the end. The backward only scales both by the loss's incoming gradient. Neither the
+         whole [N, V] logits nor fp32 log-probabilities are ever made: at 49,152 tokens (the full
+         model's local batch 12) and Qwen3's 151,936-token vocabulary the bf16 logits alone are
+         15 GB, torchtitan's fp32 log-probabilities 30 GB. G is rounded before that scaling
+         (torchtitan rounds after): the two differ by at most one rounding of h's dtype.
 Meant for training: the Triton path runs the gradient GEMMs even where nothing requires a
 gradient (evaluate from logits instead, as torchtitan's validator does).
 Labels outside [0, V) other than ignore_index: the torch path raises (a device assert on CUDA);
@@ -32,6 +34,9 @@ from ._library import custom_op
 
 IGNORE_INDEX = -100  # torchtitan's (torchtitan.components.loss.IGNORE_INDEX)
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The logits made at once: 2 GiB is 7,066 rows of Qwen3's vocabulary in bf16, large enough that the gradient
+# GEMMs stay compute-bound beside the fp32 accumulator's traffic ([V, D] read and written once a chunk).
+LOGITS_CHUNK_BYTES = 2 << 30
 
 
 def _check_args(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> None:
@@ -60,17 +65,35 @@ def linear_cross_entropy_reference(
 
 @custom_op("torchtitan_moe::linear_cross_entropy")
 def _linear_cross_entropy_triton(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, chunk_rows: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     from .cross_entropy_triton import cross_entropy_rows_
 
-    logits = h @ weight.t()  # [N, V]
-    loss_rows = cross_entropy_rows_(logits, labels, ignore_index)  # logits now hold G = dloss / dlogits
-    return loss_rows.sum(), logits @ weight, logits.t() @ h
+    loss_rows = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+    dh = torch.empty_like(h)
+    dweight = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)
+    for start in range(0, h.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        logits = h[rows] @ weight.t()  # [n, V]
+        loss_rows[rows] = cross_entropy_rows_(logits, labels[rows], ignore_index)  # logits now hold G
+        torch.mm(logits, weight, out=dh[rows])
+        _add_product_(dweight, logits.t(), h[rows])
+        del logits  # freed before the next chunk's are made
+    return loss_rows.sum(), dh, dweight.to(weight.dtype)
+
+
+def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc [M, K] fp32 += a [M, n] @ b [n, K], the product summed in fp32 and never rounded to a's dtype."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif a.is_cuda:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: 16-bit inputs, fp32 C and D
+    else:  # the CPU has no 16-bit GEMM with an fp32 output: the same products, exact in fp32
+        acc.addmm_(a.float(), b.float())
 
 
 @_linear_cross_entropy_triton.register_fake
-def _(h, weight, labels, ignore_index):
+def _(h, weight, labels, ignore_index, chunk_rows):
     return h.new_empty((), dtype=torch.float32), torch.empty_like(h), torch.empty_like(weight)
 
 
@@ -94,7 +117,7 @@ def _(dh, dweight, dloss):
 def _backward(ctx, dloss, _dh, _dweight):
     dh, dweight = ctx.saved_tensors
     dh, dweight = _scale_gradients(dh, dweight, dloss)
-    return dh, dweight, None, None
+    return dh, dweight, None, None, None
 
 
 _linear_cross_entropy_triton.register_autograd(_backward, setup_context=_setup_context)
@@ -102,13 +125,18 @@ _linear_cross_entropy_triton.register_autograd(_backward, setup_context=_setup_c
 
 def linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
-    *, backend: str = "triton",
+    *, backend: str = "triton", chunk_rows: int | None = None,
 ) -> torch.Tensor:
-    """Summed cross-entropy [] fp32 of the logits h @ weight.T against labels."""
+    """Summed cross-entropy [] fp32 of the logits h @ weight.T against labels. chunk_rows: rows of
+    logits made at once by the Triton path (default: as many as LOGITS_CHUNK_BYTES hold)."""
     _check_args(h, weight, labels)
+    if chunk_rows is None:
+        chunk_rows = max(1, LOGITS_CHUNK_BYTES // (weight.shape[0] * weight.element_size()))
+    elif chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if not use_triton(backend, h):
         return linear_cross_entropy_reference(h, weight, labels, ignore_index)
     if h.dtype not in TRITON_DTYPES:
         raise ValueError(f"backend='triton' takes h in {', '.join(map(str, TRITON_DTYPES))}, got {h.dtype}; "
                          "use backend='torch'")
-    return _linear_cross_entropy_triton(h, weight, labels, ignore_index)[0]
+    return _linear_cross_entropy_triton(h, weight, labels, ignore_index, chunk_rows)[0]

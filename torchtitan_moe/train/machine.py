@@ -38,3 +38,12 @@ def check_machine(config, nproc_per_node: int | None = None) -> None:
     why = missing() if missing is not None else None
     if why:
         raise ConfigError(dispatch_unavailable(backend, run, why))
+
+
+def configure_allocator(config) -> None:
+    """[training] expandable_segments for CUDA's caching allocator, before the run's first allocation (the
+    environment's other allocator options passed again with it; a conflicting one was refused by the config
+    check)."""
+    if torch.cuda.is_available():
+        own = f"expandable_segments:{config.training.expandable_segments}"
+        torch.cuda.memory._set_allocator_settings(",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), own))))

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from torchtitan_moe.train.machine import check_machine
+from torchtitan_moe.train.machine import check_machine, configure_allocator
 from torchtitan_moe.train.checkpoint import CheckpointError, check_checkpoint_to_load, record_model_args, saving
 from torchtitan_moe.train.checksums import ChecksummedWriter
 from torchtitan_moe.train.divergence import NonFiniteError, NonFiniteWatch, check_before_save
@@ -263,6 +263,7 @@ def prepare(argv: list[str] | None = None):
     baseline.register()
     config = load_job_config(argv)
     check_machine(config, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    configure_allocator(config)
     if not colour_wanted():
         config.metrics.disable_color_printing = True
     if config.model.name == baseline.NAME and not torch.cuda.is_available():

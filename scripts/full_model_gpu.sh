@@ -11,8 +11,6 @@
 #   batches ours as shipped at local batches BATCHES (default 12,24,32; --vary, one run)
 #   fixed   ours as shipped with the allocator's fixed-size segments ([training] no-expandable_segments), the
 #           segments tools/plan.py models
-#   rsgroup ours as shipped, FSDP2's reduce-scatters on the all-gathers' process group and on one of their own
-#           ([parallelism] fsdp_reduce_scatter_group = shared, separate; bench_train --vary, one run)
 #   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
 #           again ([dispatch] recompute = "exchange": no received rows kept for it): torchtitan and ours
 #   ep1lb8  EP = 1 at local batch 8: torchtitan and ours
@@ -102,8 +100,6 @@ has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models local
 has batches && stage batches "$steps" "$warmup" --models local --vary training.local_batch_size=${BATCHES:-12,24,32} \
     -- "${ep1[@]}"
 has fixed && stage fixed "$steps" "$warmup" --models local -- "${ep1[@]}" --training.no-expandable_segments
-has rsgroup && stage rsgroup "$steps" "$warmup" --models local --vary parallelism.fsdp_reduce_scatter_group=shared,separate \
-    -- "${ep1[@]}"
 has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange
 has ep1lb8 && stage ep1lb8 "$steps" "$warmup" --models torchtitan,local -- "${ep1[@]}" --training.local_batch_size 8

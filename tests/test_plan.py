@@ -198,8 +198,12 @@ MEASURED_AC = [
 ]
 # The planner counts eager's memory; compiled under full checkpointing at EP = 1 peaked 10.3% below its figure (it
 # counts 6.3 GiB saved by checkpointing there, eager measured 10.2 GiB saved): a known gap, kept in view.
+# The eager AC-full peak was measured with the loss's logits in one piece; the planner now counts the chunked
+# loss's fp32 sum of the output layer's gradient (1.2 GiB), which that run did not hold: to be measured again.
 GAPS = {"export compiled, AC full": "10.3% above the compiled peak: less saved by full checkpointing at EP = 1 "
-                                    "than measured"}
+                                    "than measured",
+        "eager, AC full": "10.8% above a peak measured before the loss came in chunks (its fp32 sum of the output "
+                          "layer's gradient, 1.2 GiB, not in that run)"}
 
 
 @pytest.mark.parametrize("gpus, ep, buffers, grads, ac, measured, run", [

@@ -63,8 +63,6 @@ SLOW = 3.0
 RUNS["slow_step_2"] = ["--training.steps", "4"]
 # The routers' gates sharded by rows ([parallelism] router = "auto" here) against FSDP2's router groups.
 RUNS["recipe_router_fsdp"] = [*RUNS["recipe"], "--parallelism.router", "fsdp"]
-# FSDP2's reduce-scatters on a process group of their own against the shared group.
-RUNS["recipe_reduce_scatter_own_group"] = [*RUNS["recipe"], "--parallelism.fsdp_reduce_scatter_group", "separate"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
 # step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
 # torch's fused AdamW and with ours (bf16 moments, and fp32 moments: [optimizer] update = "triton").
@@ -244,16 +242,6 @@ def test_gates_sharded_by_rows_train_as_fsdp_router_groups_to_the_bit(runs):
     rows, fsdp = runs["recipe"], runs["recipe_router_fsdp"]
     assert len(rows) == 3
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in fsdp]
-
-
-def test_reduce_scatters_on_their_own_group_train_as_on_the_shared_one_to_the_bit(runs, launched):
-    # The recipe run with each FSDP2 module's reduce-scatter through a second group of the same ranks: the
-    # same sums of the same values. The dense FSDP2 modules (4 blocks, norm and output, the root) take it.
-    own, shared = runs["recipe_reduce_scatter_own_group"], runs["recipe"]
-    assert len(own) == 3
-    assert [(r["loss"], r["grad_norm"]) for r in own] == [(r["loss"], r["grad_norm"]) for r in shared]
-    log = (launched / "harness.log").read_text()
-    assert "FSDP2's reduce-scatters on process groups of their own: 7 FSDP2 modules (" in log
 
 
 def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):

@@ -52,7 +52,9 @@ def test_linear_cross_entropy_opcheck():
     w = torch.randn(40, 8, device=DEVICE, requires_grad=True)
     labels = torch.randint(0, 40, (12,), device=DEVICE)
     labels[5] = -100
-    torch.library.opcheck(torch.ops.torchtitan_moe.linear_cross_entropy, (h, w, labels, -100), test_utils=OPCHECK_TESTS)
+    for chunk_rows in (12, 5):  # one chunk, and three (the weight's gradient summed over them)
+        torch.library.opcheck(torch.ops.torchtitan_moe.linear_cross_entropy, (h, w, labels, -100, chunk_rows),
+                              test_utils=OPCHECK_TESTS)
     dh, dw = torch.randn(12, 8, device=DEVICE).bfloat16(), torch.randn(40, 8, device=DEVICE).bfloat16()
     torch.library.opcheck(torch.ops.torchtitan_moe.linear_cross_entropy_backward, (dh, dw, torch.tensor(0.3, device=DEVICE)),
                           test_utils=OPCHECK_TESTS)

@@ -208,11 +208,6 @@ class Parallelism:
     the gradient in its backward, without FSDP2's hooks: parallel/router_gate.py; the same values), or
     'auto': 'rows' under FSDP without HSDP replicas where the experts split evenly over the ranks, else
     'fsdp'. Our model only."""
-    fsdp_reduce_scatter_group: Literal["shared", "separate"] = "shared"
-    """Which process group FSDP2's gradient reduce-scatters go through: 'shared' (its all-gathers' group, one
-    communicator: in the backward the next block's all-gather waits behind the last block's reduce-scatter) or
-    'separate' (a group of the same ranks of their own, so the two can run at once: parallel/reduce_scatter.py;
-    the same gradients, bit for bit). Our model only."""
 
 
 @dataclass

@@ -21,16 +21,17 @@ Memory, per GPU, from first principles (no term fitted to a measurement). It pre
                 has one rank stay outside FSDP2 and keep a bf16 working copy of all their weights),
                 the activations each
                 layer keeps for its backward, the output layer's loss (ops.linear_cross_entropy:
-                the [N, V] bf16 logits overwritten by their gradient, and the gradients of h and of
-                the weight) and the dispatcher's send and receive rows for one layer
+                one chunk of rows' bf16 logits overwritten by their gradient, the weight's gradient
+                summed in fp32 and rounded, the gradient of h) and the dispatcher's send and
+                receive rows for one layer
     staging     FSDP2's backward: a block's unsharded bf16 gradients and their fp32 copy for the
                 reduce-scatter, for two blocks (the previous reduce-scatter's input is kept until
                 the next one starts); experts outside FSDP2: one matrix's bf16 weight gradient
 The gradients are counted next to the forward's peak, not instead of it: they are allocated in
 the backward at parameter shapes, which the freed activation blocks (other shapes, smaller) do not
 fit, and without `expandable_segments` the allocator keeps both sets of segments reserved from one
-step to the next. One exception, `reuse`: the segment the loss's logits free at the end of the
-forward takes the backward's first large allocations on the compute stream: on one process the
+step to the next. One exception, `reuse`: the segment the loss's last chunk of logits frees at the
+end of the forward takes the backward's first large allocations on the compute stream: on one process the
 gradients; under FSDP2 the staging (the gradients are the reduce-scatter's outputs there, allocated
 on its own stream, whose pool never takes a block the compute stream freed), and the fp32 gradients
 of experts outside FSDP2 (made by their GEMM op, on the compute stream). DeepEP's NVLink
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 from torchtitan_moe.components.flops import flops_per_token
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.dispatch import registry
+from torchtitan_moe.ops.cross_entropy import LOGITS_CHUNK_BYTES
 
 GIB = 1024**3
 USAGE = ("usage: python -m torchtitan_moe.tools.plan CONFIG --nodes N --gpus-per-node G [--gpu h200|h100|b200] "
@@ -88,9 +90,9 @@ EFFICIENCY = {
 FIT_SHARE = 0.9
 NETWORK_EFFICIENCY = 0.8  # ASSUMED (not measured here): NCCL all-to-all over InfiniBand
 # Measured compute rate for the estimated step: bench_train of configs/qwen3_30b_a3b_4gpu.toml as shipped (the
-# full 30b-a3b compiled at EP = 1 on 4 H200s, local batch 12, full recompute): 381.5 TFLOP/s of the model's
-# FLOPs, 508.7 with the forward run again, i.e. 51.4% of the peak; the same share for other GPUs.
-MEASURED_MFU = 381.5 * 4 / 3 / 989.0
+# full 30b-a3b compiled at EP = 1 on 4 H200s, local batch 16, full recompute): 386.7 TFLOP/s of the model's
+# FLOPs, 515.6 with the forward run again, i.e. 52.1% of the peak; the same share for other GPUs.
+MEASURED_MFU = 386.7 * 4 / 3 / 989.0
 
 
 def efficiency(dispatcher: str, ep: int) -> tuple[float, float]:
@@ -307,8 +309,9 @@ def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str,
                       L * sac_bytes_per_token(shape, one_process, slots / T) * T))
         items.append(("activations", "exchanges kept for the recompute", L * kept))
         items.append(("activations", "one block recomputed", per_layer))
-    logits = 2 * T * V  # bf16, overwritten by their gradient, freed at the end of the forward
-    items.append(("loss", "the loss: logits (bf16), d weight, d h", logits + 2 * V * D + 2 * T * D))
+    logits = 2 * V * min(T, LOGITS_CHUNK_BYTES // (2 * V))  # one chunk's, bf16, overwritten by their gradient
+    items.append(("loss", "the loss: one chunk of logits (bf16), d weight (fp32 sum, bf16), d h",
+                  logits + 6 * V * D + 2 * T * D))
     items.append(("dispatch", "one layer's send and receive rows (bf16)", 2 * 2 * D * received))
     # The backward's first large allocations on the compute stream: one process, the gradients; FSDP2,
     # its staging, and the fp32 gradients of experts outside it (their op makes them on that stream).

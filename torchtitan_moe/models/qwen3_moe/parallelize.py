@@ -18,10 +18,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from torchtitan_moe.config.sections import ConfigError
-from torchtitan_moe.moe.experts import GroupedExperts, refresh_working_copies
+from torchtitan_moe.moe.experts import refresh_working_copies
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.parallel.embedding import shard_embedding_rows
-from torchtitan_moe.parallel.reduce_scatter import reduce_scatter_on_own_groups
 from torchtitan_moe.parallel.router_gate import gate_rows_problem, shard_gate_rows
 from torchtitan_moe.compat.torchtitan import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 
@@ -155,15 +154,6 @@ def apply_fsdp(model: nn.Module, parallel_dims: ParallelDims, job_config) -> Non
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
     use_sum_reductions(model)
-    if job_config.parallelism.fsdp_reduce_scatter_group == "separate":
-        # every FSDP2 module: the experts' own groups (EP > 1) shard over efsdp, the rest over the dense mesh
-        sharded = [(m, edp_mesh if isinstance(m, GroupedExperts) else dp_mesh)
-                   for m in model.modules() if isinstance(m, FSDPModule)]
-        given = len(reduce_scatter_on_own_groups(sharded))
-        alone = len(sharded) - given
-        logger.info(f"FSDP2's reduce-scatters on process groups of their own: {given} FSDP2 modules"
-                    + (f" ({alone} shard over one rank: nothing to reduce-scatter)" if alone else "")
-                    + " ([parallelism] fsdp_reduce_scatter_group = 'separate')")
     logger.info(f"Applied FSDP2 over {list(dp_mesh.mesh_dim_names)} {tuple(dp_mesh.shape)}, EP = {ep}"
                 + (", experts outside FSDP2 (one rank per expert shard)" if unsharded_experts else "")
                 + (", the embedding sharded by rows" if model.tok_embeddings.weight in outside_fsdp else "")

@@ -167,3 +167,14 @@ def test_the_breakdown_refuses_what_it_cannot_model():
     with pytest.raises(plan.ConfigError, match=r"\[activation_checkpoint\] mode = 'selective', selective_ac_option = '2'"):
         plan.report([str(CONFIG), "--nodes", "1", "--gpus-per-node", "4", "--breakdown",
                      "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "2"])
+
+
+def test_offloaded_block_inputs_leave_three_on_the_gpu():
+    # [activation_checkpoint] offload_inputs: of the 48 blocks' bf16 inputs [T, D] the last block's and two
+    # brought back stay; the breakdown reads the key and offers the other setting.
+    kept, offloaded = (plan.memory(FULL, EP1, Run(4096, 16, 4, offload_inputs=o)).total for o in (False, True))
+    assert kept - offloaded == 45 * 2 * FULL.dim * 16 * 4096
+    text = breakdown("--activation_checkpoint.offload_inputs")
+    assert "| activations | block inputs: the last block's and two brought back (the rest in host memory) | 0.75 |" in text
+    assert f"| block inputs on the GPU | {kept / GIB:.1f} | +{(kept - offloaded) / GIB:.1f} |" in text
+    assert "| block inputs in host memory" not in text

@@ -63,6 +63,9 @@ SLOW = 3.0
 RUNS["slow_step_2"] = ["--training.steps", "4"]
 # The routers' gates sharded by rows ([parallelism] router = "auto" here) against FSDP2's router groups.
 RUNS["recipe_router_fsdp"] = [*RUNS["recipe"], "--parallelism.router", "fsdp"]
+# Full recompute with the blocks' inputs in host memory against it without ([activation_checkpoint] offload_inputs).
+RUNS["recipe_full_ac"] = [*RUNS["recipe"], "--activation_checkpoint.mode", "full"]
+RUNS["recipe_full_ac_offload"] = [*RUNS["recipe_full_ac"], "--activation_checkpoint.offload_inputs"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
 # step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
 # torch's fused AdamW and with ours (bf16 moments, and fp32 moments: [optimizer] update = "triton").
@@ -242,6 +245,15 @@ def test_gates_sharded_by_rows_train_as_fsdp_router_groups_to_the_bit(runs):
     rows, fsdp = runs["recipe"], runs["recipe_router_fsdp"]
     assert len(rows) == 3
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(r["loss"], r["grad_norm"]) for r in fsdp]
+
+
+def test_offloaded_block_inputs_train_as_kept_ones_to_the_bit(runs, launched):
+    # The recipe under full recompute, each block's input but the last's offloaded: the same values, bit for bit.
+    offloaded, kept = runs["recipe_full_ac_offload"], runs["recipe_full_ac"]
+    assert len(offloaded) == 3
+    assert [(r["loss"], r["grad_norm"]) for r in offloaded] == [(r["loss"], r["grad_norm"]) for r in kept]
+    assert "Block inputs offloaded to host memory between forward and backward: 3 of 4 blocks" in \
+        (launched / "harness.log").read_text()
 
 
 def test_bf16_adamw_moments_train_sharded_and_are_saved_in_bf16(runs, launched):

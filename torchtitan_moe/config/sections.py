@@ -178,6 +178,16 @@ class Checkpoint:
 
 
 @dataclass
+class ActivationCheckpoint:
+    offload_inputs: bool = False
+    """With mode = 'full': each block's input (all a checkpointed block keeps for its backward) copied to pinned
+    host memory while the block computes and brought back one block ahead of its backward, on a side stream
+    (parallel/offload.py; the same bits). Frees the block inputs' GPU memory (the full model at local batch 16:
+    12 GiB a GPU) for a larger batch; costs host memory of the same size on every GPU and PCIe traffic both ways.
+    Our model only."""
+
+
+@dataclass
 class Optimizer:
     moments_dtype: Literal["float32", "bfloat16"] = "float32"
     """AdamW's exp_avg and exp_avg_sq stored in 'float32' (torch's AdamW) or 'bfloat16' (4 bytes less
@@ -254,6 +264,7 @@ class JobConfig:
     optimizer: Optimizer = field(default_factory=Optimizer)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     training: Training = field(default_factory=Training)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
 
 
 def moe_args(cfg: Any, flavor: MoEArgs) -> MoEArgs:
@@ -495,6 +506,10 @@ def check_dispatch(cfg: Any, ep: int) -> None:
     _need(cfg.dispatch.overlap == "none" or ep > 1,
           f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
           f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")
+    ac = cfg.activation_checkpoint
+    _need(not ac.offload_inputs or ac.mode == "full",
+          f"[activation_checkpoint] offload_inputs = true offloads what full recompute keeps, each block's input: it "
+          f"needs mode = 'full' (got {ac.mode!r})")
     recompute = cfg.dispatch.recompute
     _need(recompute == "replay" or (ep > 1 and cfg.activation_checkpoint.mode != "none"),
           f"[dispatch] recompute = {recompute!r} is what an activation-checkpointing recompute does for the exchanges "

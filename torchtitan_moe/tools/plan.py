@@ -184,6 +184,7 @@ class Run:
     expert_grad_bytes: int = 4  # experts outside FSDP2: fp32 gradients (4) or kept on the working copies (2)
     expert_copies: bool = True  # experts outside FSDP2 keep bf16 working copies (False: a candidate, cast per use)
     keep_exchanges: bool = True  # a recompute replays its forward's exchanges (False: exchanges again, [dispatch] recompute)
+    offload_inputs: bool = False  # full recompute's block inputs in host memory ([activation_checkpoint] offload_inputs)
 
     @property
     def tokens(self) -> int:
@@ -301,7 +302,11 @@ def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str,
     if layout.ac == "none":
         items.append(("activations", "every layer's activations", L * per_layer))
     elif layout.ac == "full":
-        items.append(("activations", "block inputs", L * s * D * T))
+        if run.offload_inputs:  # the last block's stays; a block's own and the one brought back ahead of it
+            items.append(("activations", "block inputs: the last block's and two brought back (the rest in host memory)",
+                          min(L, 3) * s * D * T))
+        else:
+            items.append(("activations", "block inputs", L * s * D * T))
         items.append(("activations", "exchanges kept for the recompute", L * kept))
         items.append(("activations", "one block recomputed", per_layer))
     else:  # selective: what parallelize's op list saves (an estimate: not measured)
@@ -512,7 +517,8 @@ def parse(argv: list[str]):
     kept = setting == "bfloat16" or (setting == "auto" and accum == 1 and not expert_gradient_conflicts(config))
     expert_grads = 2 if kept else 4
     run = Run(seq, micro, moments, config.dispatch.buffers, expert_grads,
-              keep_exchanges=config.dispatch.recompute == "replay")
+              keep_exchanges=config.dispatch.recompute == "replay",
+              offload_inputs=config.activation_checkpoint.offload_inputs)
     return config, shape, run, nodes, per_node, GPUS[gpu_name], accum
 
 

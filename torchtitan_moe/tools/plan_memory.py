@@ -9,7 +9,8 @@ resolves them. The candidates are the same arithmetic with one setting changed, 
 the config's local batch and at twice it: bf16 (or fp32) AdamW moments ([optimizer] moments_dtype), the experts'
 gradients kept in bf16 ([optimizer] expert_grad_dtype; one micro-batch a step), no bf16 working copies of
 the experts (cast per use: not in the code today), a recompute that exchanges again instead of replaying what
-its forward kept ([dispatch] recompute), selective recompute (an estimate from the op list) and none.
+its forward kept ([dispatch] recompute), full recompute's block inputs in host memory ([activation_checkpoint]
+offload_inputs), selective recompute (an estimate from the op list) and none.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ def candidates(layout: Layout, run: Run) -> list[tuple[str, Layout, Run, bool]]:
             ("the recompute exchanges again (nothing kept for it)", layout, change(run, keep_exchanges=False), True),
             ("the recompute replays its exchanges (kept for it)", layout, change(run, keep_exchanges=True), True),
         ]
+    if layout.ac == "full":
+        cuts += [
+            ("block inputs in host memory", layout, change(run, offload_inputs=True), True),
+            ("block inputs on the GPU", layout, change(run, offload_inputs=False), True),
+        ]
     cuts += [
         ("selective recompute (op list; estimate)", change(layout, ac="selective"), run, True),
         ("full recompute", change(layout, ac="full"), run, True),
@@ -65,7 +71,11 @@ def candidates(layout: Layout, run: Run) -> list[tuple[str, Layout, Run, bool]]:
     rows += [c for c in cuts if c[2] != run or c[1] != layout]  # a cut the config already makes is no row
     double = change(run, micro_batch=2 * run.micro_batch)
     if not outside:
-        return rows + [(f"as configured, local batch {double.micro_batch}", layout, double, True)]
+        rows.append((f"as configured, local batch {double.micro_batch}", layout, double, True))
+        if layout.ac == "full" and not run.offload_inputs:
+            rows.append((f"block inputs in host memory, local batch {double.micro_batch}", layout,
+                         change(double, offload_inputs=True), True))
+        return rows
     lean = change(run, moments_bytes=4, expert_grad_bytes=2, expert_copies=False)
     rows.append(("bf16 moments + bf16 expert gradients + no working copies", layout, lean, False))
     recompute = {"full": "full recompute", "selective": "selective recompute (estimate)", "none": "no recompute"}

@@ -23,6 +23,7 @@ def check_machine(config, nproc_per_node: int | None = None) -> None:
                           "use 'auto' (Triton on CUDA, torch on CPU) or 'torch'")
     if not ours:
         return
+    _refuse_host_memory(config, nproc_per_node or 1)
     if config.dispatch.tuned_file:
         tuned.load_named(config.dispatch.tuned_file)  # missing, or not parsing: refused here
     backend = config.dispatch.backend
@@ -47,3 +48,29 @@ def configure_allocator(config) -> None:
     if torch.cuda.is_available():
         own = f"expandable_segments:{config.training.expandable_segments}"
         torch.cuda.memory._set_allocator_settings(",".join(filter(None, (os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), own))))
+
+
+HOST_SHARE = 0.75  # of the node's RAM: pinned pages cannot be swapped, and the data and the OS need their share
+
+
+def offloaded_bytes_per_node(config, nproc_per_node: int) -> int:
+    """[activation_checkpoint] offload_inputs: the pinned host memory the node's ranks hold for their blocks'
+    inputs at the forward's end (every block's but the last's, bf16 or the params' dtype)."""
+    from torchtitan_moe.models.qwen3_moe import flavor_args
+
+    if not config.activation_checkpoint.offload_inputs:
+        return 0
+    args = flavor_args(config.model.flavor)
+    tokens = config.training.local_batch_size * config.training.seq_len
+    size = torch.empty((), dtype=getattr(torch, config.training.mixed_precision_param)).element_size()
+    return nproc_per_node * (args.n_layers - 1) * tokens * args.dim * size
+
+
+def _refuse_host_memory(config, nproc_per_node: int) -> None:
+    need = offloaded_bytes_per_node(config, nproc_per_node)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > HOST_SHARE * ram:
+        raise ConfigError(f"[activation_checkpoint] offload_inputs = true pins {need / 2**30:.0f} GiB of host memory "
+                          f"on this node ({nproc_per_node} ranks x every block's input but the last's), over "
+                          f"{HOST_SHARE:.0%} of its {ram / 2**30:.0f} GiB: use a smaller local_batch_size or "
+                          "offload_inputs = false")

@@ -19,6 +19,7 @@ from torch.distributed.tensor import Shard
 
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.moe.experts import refresh_working_copies
+from torchtitan_moe.parallel.offload import offload_block_inputs
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.parallel.embedding import shard_embedding_rows
 from torchtitan_moe.parallel.router_gate import gate_rows_problem, shard_gate_rows
@@ -51,6 +52,11 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
             base_folder=job_config.job.dump_folder,
         )
         keep_exchanges_for_recompute(model, job_config.dispatch.recompute)
+        if job_config.activation_checkpoint.offload_inputs:
+            blocks = list(model.layers.values())
+            offload_block_inputs(blocks)
+            logger.info(f"Block inputs offloaded to host memory between forward and backward: {len(blocks) - 1} of "
+                        f"{len(blocks)} blocks ([activation_checkpoint] offload_inputs)")
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(model, job_config.compile.backend)
 

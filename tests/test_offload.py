@@ -1,0 +1,161 @@
+"""[activation_checkpoint] offload_inputs (parallel/offload.py): checkpointed blocks' inputs kept in host memory
+between forward and backward. The same gradients to the bit; every block's input but the last's offloaded, and
+nothing else; each brought back one block ahead of its backward; the hooks left when a forward raises."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.parallel import offload as offload_module
+from torchtitan_moe.parallel.offload import offload_block_inputs
+from torchtitan_moe.train.job_config import load_job_config
+
+from test_config import DEBUG
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, seed: int):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = nn.Parameter(torch.randn(dim, dim, generator=g) / dim**0.5)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(x @ self.w) * rope
+
+
+def model(blocks: int, dim: int, device) -> nn.ModuleList:
+    return nn.ModuleList(checkpoint_wrapper(Block(dim, seed)) for seed in range(blocks)).to(device)
+
+
+def train_step(layers: nn.ModuleList, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    h = x
+    for layer in layers:
+        h = layer(h, rope)
+    loss = (h.float() ** 2).sum()
+    return loss, torch.autograd.grad(loss, [layer._checkpoint_wrapped_module.w for layer in layers])
+
+
+def inputs(device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 6, 16, generator=g).to(device, dtype).requires_grad_()
+    return x, torch.randn(16, generator=g).to(device, dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_same_gradients_to_the_bit_with_every_input_but_the_last_offloaded(device, monkeypatch):
+    plain = model(5, 16, device)
+    reference = train_step(plain, *inputs(device))
+    layers = model(5, 16, device)
+    packed = []
+    pack = offload_module.InputOffload.pack
+    monkeypatch.setattr(offload_module.InputOffload, "pack",
+                        lambda self, t: packed.append(self._shape is not None and t.shape == self._shape) or pack(self, t))
+    offload = offload_block_inputs(list(layers))
+    for _ in range(2):  # a second step chains its own blocks again
+        loss, grads = train_step(layers, *inputs(device))
+        assert torch.equal(loss, reference[0])
+        assert all(torch.equal(a, b) for a, b in zip(grads, reference[1]))
+    assert offload.offloaded == 2 * 4  # blocks 0-3 each step; the last block's input stays
+    assert packed.count(True) == 8 and len(packed) == 16  # each offloaded block saves its input and the rope cache
+
+
+def test_each_input_comes_back_one_block_ahead_of_its_backward(monkeypatch):
+    events = []
+    bring, unpack = offload_module.InputOffload._bring_back, offload_module.InputOffload.unpack
+    monkeypatch.setattr(offload_module.InputOffload, "_bring_back",
+                        lambda self, saved: events.append(("bring", saved)) or bring(self, saved))
+    monkeypatch.setattr(offload_module.InputOffload, "unpack",
+                        lambda self, saved: events.append(("unpack", saved)) or unpack(self, saved))
+    layers = model(4, 16, "cpu")
+    offload = offload_block_inputs(list(layers))
+    x, rope = inputs("cpu")
+    for _ in range(2):  # each step's blocks chain from its own first one
+        events.clear()
+        h, chain = x, []
+        for layer in layers:
+            h = layer(h, rope)
+            chain.append(offload._last)
+        c0, c1, c2 = chain[:3]  # the last block's input is not offloaded: blocks 0-2's
+        assert (c0.previous, c1.previous, c2.previous) == (None, c0, c1)
+        (h ** 2).sum().backward()
+        # block 2's backward brings back its own input (nothing came before it) and block 1's; block 1's, block 0's
+        offloaded = [e for e in events if e[0] == "bring" or isinstance(e[1], offload_module._Offloaded)]
+        assert offloaded == [("unpack", c2), ("bring", c2), ("bring", c1), ("unpack", c1), ("bring", c0),
+                             ("unpack", c0)]
+
+
+def test_only_the_block_input_shape_is_offloaded():
+    layers = model(2, 16, "cpu")
+    offload = offload_block_inputs(list(layers))
+    x, rope = inputs("cpu")
+    h = layers[1](layers[0](x, rope), rope)
+    assert offload.offloaded == 1
+    saved = offload._last
+    assert torch.equal(saved.host, x.detach()) and saved.host is not x  # a copy of the input's bits
+    del h
+
+
+def test_a_forward_that_raises_leaves_the_hooks(monkeypatch):
+    layers = model(3, 16, "cpu")
+    offload = offload_block_inputs(list(layers))
+    x, rope = inputs("cpu")
+    with pytest.raises(RuntimeError):
+        layers[0](x, rope[:3])  # a shape that does not broadcast
+    assert offload._shape is None
+    before = offload.offloaded
+    y = torch.tanh(x)  # autograd outside any block: saved as it is
+    (y ** 2).sum().backward()
+    assert offload.offloaded == before
+
+
+def test_offload_needs_full_recompute():
+    with pytest.raises(ConfigError) as e:
+        load_job_config(["--job.config_file", str(DEBUG), "--activation_checkpoint.mode", "selective",
+                         "--activation_checkpoint.offload_inputs"])
+    assert str(e.value) == ("[activation_checkpoint] offload_inputs = true offloads what full recompute keeps, each "
+                            "block's input: it needs mode = 'full' (got 'selective')")
+    config = load_job_config(["--job.config_file", str(DEBUG), "--activation_checkpoint.mode", "full",
+                              "--activation_checkpoint.offload_inputs"])
+    assert config.activation_checkpoint.offload_inputs
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_inputs_leave_its_memory():
+    # 8 blocks of [4096, 4096] fp32 inputs (64 MiB each): offloaded, the forward's peak holds ~7 fewer of them.
+    def peak(offloaded: bool) -> int:
+        layers = nn.ModuleList(checkpoint_wrapper(Block(4096, seed)) for seed in range(8)).cuda()
+        if offloaded:
+            offload_block_inputs(list(layers))
+        x = torch.randn(4096, 4096, device="cuda", requires_grad=True)
+        rope = torch.randn(4096, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        h = x
+        for layer in layers:
+            h = layer(h, rope)
+        torch.cuda.synchronize()
+        grown = torch.cuda.max_memory_allocated() - start
+        (h ** 2).sum().backward()
+        return grown
+    assert peak(False) - peak(True) >= 6 * 64 << 20
+
+
+def test_a_node_without_the_host_memory_is_refused(monkeypatch):
+    from torchtitan_moe.train import machine
+
+    args = ["--job.config_file", str(DEBUG), "--activation_checkpoint.mode", "full",
+            "--activation_checkpoint.offload_inputs", "--training.mixed_precision_param", "bfloat16"]
+    config = load_job_config(args)
+    # the debug model: 4 layers, dim 128; 3 blocks' bf16 inputs of local_batch x seq tokens on each of 2 ranks
+    need = 2 * 3 * config.training.local_batch_size * config.training.seq_len * 128 * 2
+    assert machine.offloaded_bytes_per_node(config, 2) == need
+    page = 4096
+    monkeypatch.setattr(machine.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else need // page)
+    with pytest.raises(ConfigError, match=r"offload_inputs = true pins 0 GiB of host memory on this node \(2 ranks x "
+                                          r"every block's input but the last's\), over 75% of its 0 GiB"):
+        machine.check_machine(config, 2)
+    monkeypatch.setattr(machine.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else 2 * need // page)
+    machine.check_machine(config, 2)  # within 75%

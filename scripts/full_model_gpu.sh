@@ -9,6 +9,8 @@
 #   baseline torchtitan at its fastest fitting setting on the same keys: local batch TT_BATCH (default 12)
 #   accum   ours as shipped x 3 micro-batches a step (786,432 tokens)
 #   batches ours as shipped at local batches BATCHES (default 12,24,32; --vary, one run)
+#   offload ours as shipped with the blocks' inputs in host memory ([activation_checkpoint] offload_inputs) at local
+#           batches OFFLOAD_BATCHES (default 16,32,40; --vary, one run)
 #   fixed   ours as shipped with the allocator's fixed-size segments ([training] no-expandable_segments), the
 #           segments tools/plan.py models
 #   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
@@ -99,6 +101,8 @@ has baseline && stage baseline "$steps" "$warmup" --models torchtitan \
 has accum && stage accum "${ACCUM_STEPS:-3}" "${ACCUM_WARMUP:-1}" --models local --grad-accum 3 -- "${ep1[@]}"
 has batches && stage batches "$steps" "$warmup" --models local --vary training.local_batch_size=${BATCHES:-12,24,32} \
     -- "${ep1[@]}"
+has offload && stage offload "$steps" "$warmup" --models local \
+    --vary training.local_batch_size=${OFFLOAD_BATCHES:-16,32,40} -- "${ep1[@]}" --activation_checkpoint.offload_inputs
 has fixed && stage fixed "$steps" "$warmup" --models local -- "${ep1[@]}" --training.no-expandable_segments
 has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from torchtitan_moe.config.sections import ConfigError, allocator_conflict
+from torchtitan_moe.config.sections import ConfigError, allocator_problem
 from torchtitan_moe.train.job_config import load_job_config
 
 from test_config import DEBUG
@@ -19,7 +19,7 @@ from test_config import DEBUG
     (True, "max_split_size_mb:128"),
 ])
 def test_an_environment_that_agrees_or_is_silent_passes(expandable, env):
-    assert allocator_conflict(expandable, env) is None
+    assert allocator_problem(expandable, env) is None
 
 
 def test_an_environment_that_disagrees_is_refused_naming_both(monkeypatch):

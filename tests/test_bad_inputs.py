@@ -214,6 +214,17 @@ OTHERS = [
      "[parallelism] expert_parallel_degree = 2: must divide data_parallel_shard_degree (3)"),
     (["--dispatch.num_sms", "3"], "[dispatch] num_sms = 3: must be 0"),
     (["--data.attention", "document"], "[data] attention = 'document' needs documents: [training] dataset = 'shards'"),
+    (["--activation_checkpoint.offload_inputs"], "[activation_checkpoint] offload_inputs = true offloads what full "
+     "recompute keeps, each block's input: it needs mode = 'full' (got 'none')"),
+    (["--activation_checkpoint.offload_inputs", "--activation_checkpoint.mode", "full", "--training.local_batch_size",
+      "100000000", "--nproc", "2"], "[activation_checkpoint] offload_inputs = true pins 36621 GiB of host memory on "
+     "this node (2 ranks x every block's input but the last's), over 75% of its"),
+]
+
+# Refusals of what the environment says, with the config (the variables set for the case only).
+ENVIRONMENT = [
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, [],
+     "[training] expandable_segments = true but PYTORCH_CUDA_ALLOC_CONF says 'expandable_segments:False'"),
 ]
 
 # python -m torchtitan_moe.tools.plan's flags (after the config file).
@@ -693,6 +704,13 @@ def test_other_refusals_are_one_line(overrides, expected, monkeypatch):
     refuse(" ".join(overrides), check_config, [DEBUG, *overrides], expected)
 
 
+@pytest.mark.parametrize("env, overrides, expected", ENVIRONMENT, ids=[str(e) for e, _, _ in ENVIRONMENT])
+def test_an_environment_that_contradicts_the_config_is_one_line(env, overrides, expected, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    refuse(str(env), check_config, [DEBUG, *overrides], expected)
+
+
 @pytest.mark.parametrize("flags, expected", PLAN, ids=[" ".join(f)[:60] for f, _ in PLAN])
 def test_a_bad_planner_flag_is_one_line(flags, expected):
     refuse("plan " + " ".join(flags), plan, [DEBUG, *flags], expected)
@@ -863,6 +881,9 @@ def every_case(tmp: Path, files: Path):
         yield f"{case[0]}.{case[1]} toml", lambda c=case: type_case(fresh(), *c)
     for overrides, expected in OTHERS:
         yield " ".join(overrides), lambda o=overrides, e=expected: refuse(" ".join(o), check_config, [DEBUG, *o], e)
+    for env, overrides, expected in ENVIRONMENT:
+        yield str(env), lambda v=env, o=overrides, e=expected: with_environment(v, refuse, str(v), check_config,
+                                                                                         [DEBUG, *o], e)
     for flags, expected in PLAN:
         yield "plan " + " ".join(flags), lambda o=flags, e=expected: refuse("plan " + " ".join(o), plan, [DEBUG, *o], e)
     for case, build, expected in FILES:
@@ -872,6 +893,19 @@ def every_case(tmp: Path, files: Path):
     tokenizer = load_script("build_tokenizer")
     for case, build, expected in TOKENIZER:
         yield case, lambda c=case, b=build, e=expected: refuse(c, tokenizer, b(fresh()), e)
+
+
+def with_environment(env: dict[str, str], fn, *args):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn(*args)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
 
 
 def test_every_refusal_in_the_source_has_a_case(tmp_path, files, monkeypatch):

@@ -289,7 +289,7 @@ def test_problem_refuses_exactly_the_runs_a_dispatcher_does_not_take(name):
 def config(backend: str, run: Run) -> SimpleNamespace:
     return SimpleNamespace(dispatch=SimpleNamespace(backend=backend, overlap=run.overlap, buffers=run.buffers, num_sms=0,
                                                     tuned_file="", recompute="replay"),
-                           activation_checkpoint=SimpleNamespace(mode="none"),
+                           activation_checkpoint=SimpleNamespace(mode="none", offload_inputs=False),
                            training=SimpleNamespace(mixed_precision_param=run.param_dtype),
                            model=SimpleNamespace(name="qwen3_moe"), kernels=SimpleNamespace(backend="torch"),
                            parallelism=SimpleNamespace(expert_parallel_degree=run.ep))

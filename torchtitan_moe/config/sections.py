@@ -284,7 +284,7 @@ def _set_keys(section: Any) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------
 
 
-def allocator_conflict(expandable: bool, alloc_conf: str) -> str | None:
+def allocator_problem(expandable: bool, alloc_conf: str) -> str | None:
     """[training] expandable_segments against PYTORCH_CUDA_ALLOC_CONF's own setting of it, if any."""
     for option in alloc_conf.replace(";", ",").split(","):
         name, _, value = option.partition(":")
@@ -307,7 +307,7 @@ def _refuse(problem: str | None) -> None:
 def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = None) -> None:
     """Check combinations that cannot train. `flavors` maps flavor names to model args (their `.moe`,
     MoEArgs, is what [moe] and [router] update: the MoE layers' args are checked as the layers check them)."""
-    _refuse(allocator_conflict(cfg.training.expandable_segments, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
+    _refuse(allocator_problem(cfg.training.expandable_segments, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
     _need(
         cfg.model.name in MODEL_NAMES,
         f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "

@@ -19,9 +19,9 @@ from torch.distributed.tensor import Shard
 
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.moe.experts import refresh_working_copies
-from torchtitan_moe.parallel.offload import offload_block_inputs
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.parallel.embedding import shard_embedding_rows
+from torchtitan_moe.parallel.offload import offload_block_inputs
 from torchtitan_moe.parallel.router_gate import gate_rows_problem, shard_gate_rows
 from torchtitan_moe.compat.torchtitan import ParallelDims, apply_ac, data_parallel_mesh, logger, use_sum_reductions
 

@@ -308,6 +308,10 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     """Check combinations that cannot train. `flavors` maps flavor names to model args (their `.moe`,
     MoEArgs, is what [moe] and [router] update: the MoE layers' args are checked as the layers check them)."""
     _refuse(allocator_problem(cfg.training.expandable_segments, os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")))
+    ac = cfg.activation_checkpoint
+    _need(not ac.offload_inputs or ac.mode == "full",
+          f"[activation_checkpoint] offload_inputs = true offloads what full recompute keeps, each block's input: it "
+          f"needs mode = 'full' (got {ac.mode!r})")
     _need(
         cfg.model.name in MODEL_NAMES,
         f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "
@@ -506,10 +510,6 @@ def check_dispatch(cfg: Any, ep: int) -> None:
     _need(cfg.dispatch.overlap == "none" or ep > 1,
           f"[dispatch] overlap = {cfg.dispatch.overlap!r} overlaps the exchanges between EP ranks: it needs "
           f"[parallelism] expert_parallel_degree > 1 (got {ep}); use 'none'")
-    ac = cfg.activation_checkpoint
-    _need(not ac.offload_inputs or ac.mode == "full",
-          f"[activation_checkpoint] offload_inputs = true offloads what full recompute keeps, each block's input: it "
-          f"needs mode = 'full' (got {ac.mode!r})")
     recompute = cfg.dispatch.recompute
     _need(recompute == "replay" or (ep > 1 and cfg.activation_checkpoint.mode != "none"),
           f"[dispatch] recompute = {recompute!r} is what an activation-checkpointing recompute does for the exchanges "

@@ -143,7 +143,13 @@ def test_logits_are_made_a_chunk_at_a_time(device, monkeypatch):
     monkeypatch.setattr(cross_entropy, "LOGITS_CHUNK_BYTES", 8 * 700 * 2)  # 8 rows of bf16
     h, w, labels = inputs(30, 24, 700, torch.bfloat16, device, seed=8)
     run(h, w, labels, "triton")
-    assert seen == [(8, 700)] * 3 + [(6, 700)]
+    assert seen == [(8, 700)] * 3 + [(6, 700)]  # 4 chunks: as even as 30 rows split
+    seen.clear()
+    run(*inputs(25, 24, 700, torch.bfloat16, device, seed=8), "triton")
+    assert seen == [(7, 700)] * 3 + [(4, 700)]  # 4 chunks of at most 8 rows, not 8 + 8 + 8 + 1
+    seen.clear()
+    run(*inputs(8, 24, 700, torch.bfloat16, device, seed=8), "triton")
+    assert seen == [(8, 700)]
 
 
 def test_chunk_rows_must_be_positive():

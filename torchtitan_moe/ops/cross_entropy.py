@@ -128,10 +128,13 @@ def linear_cross_entropy(
     *, backend: str = "triton", chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy [] fp32 of the logits h @ weight.T against labels. chunk_rows: rows of
-    logits made at once by the Triton path (default: as many as LOGITS_CHUNK_BYTES hold)."""
+    logits made at once by the Triton path (default: the rows split evenly into the fewest chunks whose
+    logits fit LOGITS_CHUNK_BYTES)."""
     _check_args(h, weight, labels)
-    if chunk_rows is None:
-        chunk_rows = max(1, LOGITS_CHUNK_BYTES // (weight.shape[0] * weight.element_size()))
+    if chunk_rows is None:  # the fewest chunks within the budget, of equal rows (no small last GEMM)
+        most = max(1, LOGITS_CHUNK_BYTES // (weight.shape[0] * weight.element_size()))
+        chunks = max(1, -(-h.shape[0] // most))
+        chunk_rows = max(1, -(-h.shape[0] // chunks))
     elif chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if not use_triton(backend, h):

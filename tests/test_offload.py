@@ -169,6 +169,8 @@ def test_a_node_without_the_host_memory_is_refused(monkeypatch):
     # the debug model: 4 layers, dim 128; 3 blocks' bf16 inputs of local_batch x seq tokens on each of 2 ranks
     need = 2 * 3 * config.training.local_batch_size * config.training.seq_len * 128 * 2
     assert machine.offloaded_bytes_per_node(config, 2) == need
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert machine.offloaded_bytes_per_node(config, 1) == need  # one process: fp32 inputs, half the ranks
     page = 4096
     monkeypatch.setattr(machine.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else need // page)
     with pytest.raises(ConfigError, match=r"offload_inputs = true pins 0 GiB of host memory on this node \(2 ranks x "

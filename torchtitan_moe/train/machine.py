@@ -55,15 +55,17 @@ HOST_SHARE = 0.75  # of the node's RAM: pinned pages cannot be swapped, and the 
 
 def offloaded_bytes_per_node(config, nproc_per_node: int) -> int:
     """[activation_checkpoint] offload_inputs: the pinned host memory the node's ranks hold for their blocks'
-    inputs at the forward's end (every block's but the last's, bf16 or the params' dtype)."""
+    inputs at the forward's end (every block's but the last's: in the params' dtype under FSDP2, fp32 in one
+    process, where autocast leaves the residual stream in fp32)."""
     from torchtitan_moe.models.qwen3_moe import flavor_args
 
     if not config.activation_checkpoint.offload_inputs:
         return 0
     args = flavor_args(config.model.flavor)
     tokens = config.training.local_batch_size * config.training.seq_len
-    size = torch.empty((), dtype=getattr(torch, config.training.mixed_precision_param)).element_size()
-    return nproc_per_node * (args.n_layers - 1) * tokens * args.dim * size
+    one_process = nproc_per_node == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1
+    dtype = torch.float32 if one_process else getattr(torch, config.training.mixed_precision_param)
+    return nproc_per_node * (args.n_layers - 1) * tokens * args.dim * dtype.itemsize
 
 
 def _refuse_host_memory(config, nproc_per_node: int) -> None:

@@ -101,6 +101,7 @@ def test_each_input_comes_back_one_block_ahead_of_its_backward(monkeypatch):
         offloaded = [e for e in events if e[0] == "bring" or isinstance(e[1], offload_module._Offloaded)]
         assert offloaded == [("unpack", c2), ("bring", c2), ("bring", c1), ("unpack", c1), ("bring", c0),
                              ("unpack", c0)]
+        assert (c0.previous, c1.previous, c2.previous) == (None, None, None)  # nothing holds a used host copy
 
 
 def test_only_the_block_input_shape_is_offloaded():

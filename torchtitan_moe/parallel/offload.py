@@ -81,6 +81,7 @@ class InputOffload:
             self._bring_back(saved)
         if saved.previous is not None and saved.previous.gpu is None:
             self._bring_back(saved.previous)  # ahead of the next block's backward
+        saved.previous = None  # the chain lets go: each host copy is freed with its block's backward
         t, saved.gpu = saved.gpu, None  # the backward holds it from here (asked again: brought back again)
         if saved.ready is not None:
             torch.cuda.current_stream(t.device).wait_event(saved.ready)

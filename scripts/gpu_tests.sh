@@ -19,6 +19,8 @@
 #                        from one seed checkpoint, and activation checkpointing under EP = 2 changes nothing;
 #                        EP = 2 in bf16 with the experts' working copies trains as the experts under FSDP2;
 #                        a train step never makes the host wait for the GPU (CUDA's sync debug mode)
+#   test_offload         [activation_checkpoint] offload_inputs: the inputs' copies to host and back, the memory freed
+#   test_allocator       [training] expandable_segments reaches CUDA's caching allocator
 # On a 1-GPU machine the 2-GPU tests are skipped, each with its reason in the log and the summary.
 # Uses the image's torch, triton and torchtitan (no install, no network): PYTHON picks the interpreter.
 # OUT (default outputs/gpu_tests) gets the log and junit XML. The last line is the summary;

@@ -1,10 +1,13 @@
 """linear_cross_entropy (output layer + summed cross-entropy), forward + backward, Qwen3-30B-A3B's shapes.
 
-    python kernels/bench_cross_entropy.py [--tokens 8192 16384] [--json out.json]
+    python kernels/bench_cross_entropy.py [--tokens 8192 16384 65536] [--json out.json]
 
-N tokens (8192: local batch 2 at seq 4096), D = 2048, V = 151,936, bf16 h and weight.
-  triton   ops.linear_cross_entropy: logits GEMM, one kernel (loss, gradient over the logits), the
-           two gradient GEMMs, all in the forward; the backward scales them
+N tokens (8192: local batch 2 at seq 4096; 65,536: the full model's shipped local batch 16), D = 2048,
+V = 151,936, bf16 h and weight.
+  triton   ops.linear_cross_entropy: per chunk of rows (at most 2 GiB of logits) the logits GEMM, one
+           kernel (loss, gradient over the logits), the two gradient GEMMs (the weight's summed over
+           the chunks in fp32), all in the forward; the backward scales them
+  triton1  the same in one chunk (chunk_rows = N): what the chunks cost in time and save in memory
   eager    torchtitan's loss: nn.Linear logits, F.cross_entropy of their fp32 copy, autograd
   compile  torch.compile of the same
 Floor: the three GEMMs (2 N D V FLOPs each) at the bf16 matmul rate measured in this run, plus
@@ -45,6 +48,7 @@ def main() -> None:
     c = measure_ceilings()
     impls = {
         "triton": lambda h, w, y: linear_cross_entropy(h, w, y, backend="triton"),
+        "triton1": lambda h, w, y: linear_cross_entropy(h, w, y, backend="triton", chunk_rows=h.shape[0]),
         "eager": linear_cross_entropy_reference,
         "compile": torch.compile(linear_cross_entropy_reference),
     }
@@ -61,7 +65,7 @@ def main() -> None:
             times[name] = median_us(fn)
             rows.append({"tokens": n, "impl": name, "us": times[name], "floor_us": floor_us,
                          "peak_GiB": peak_gib(fn)})
-        for r in rows[-3:]:
+        for r in rows[-len(impls):]:
             r["x_eager"], r["x_compile"] = times["eager"] / r["us"], times["compile"] / r["us"]
         del h, w, labels
         torch.cuda.empty_cache()

@@ -1,9 +1,9 @@
 """linear_cross_entropy (output layer + summed cross-entropy), forward + backward, Qwen3-30B-A3B's shapes.
 
-    python kernels/bench_cross_entropy.py [--tokens 8192 16384 65536] [--json out.json]
+    python kernels/bench_cross_entropy.py [--tokens 8192 16384] [--json out.json]
 
-N tokens (8192: local batch 2 at seq 4096; 65,536: the full model's shipped local batch 16), D = 2048,
-V = 151,936, bf16 h and weight.
+N tokens (8192: local batch 2 at seq 4096), D = 2048, V = 151,936, bf16 h and weight (the default chunk is
+7,066 rows: 8192 tokens make 2 chunks, 16,384 make 3).
   triton   ops.linear_cross_entropy: per chunk of rows (at most 2 GiB of logits) the logits GEMM, one
            kernel (loss, gradient over the logits), the two gradient GEMMs (the weight's summed over
            the chunks in fp32), all in the forward; the backward scales them

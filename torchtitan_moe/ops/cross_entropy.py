@@ -84,11 +84,9 @@ def _linear_cross_entropy_triton(
 
 def _add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc [M, K] fp32 += a [M, n] @ b [n, K], the product summed in fp32 and never rounded to a's dtype."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif a.is_cuda:
+    if a.is_cuda and a.dtype != torch.float32:
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)  # cuBLAS: 16-bit inputs, fp32 C and D
-    else:  # the CPU has no 16-bit GEMM with an fp32 output: the same products, exact in fp32
+    else:  # fp32 inputs, or the CPU, which has no 16-bit GEMM with an fp32 output: the same products in fp32
         acc.addmm_(a.float(), b.float())
 
 
@@ -123,18 +121,22 @@ def _backward(ctx, dloss, _dh, _dweight):
 _linear_cross_entropy_triton.register_autograd(_backward, setup_context=_setup_context)
 
 
+def default_chunk_rows(rows: int, vocab: int, element_size: int) -> int:
+    """Rows of logits made at once: the fewest chunks whose logits fit LOGITS_CHUNK_BYTES, of equal rows (no
+    small last GEMM)."""
+    most = max(1, LOGITS_CHUNK_BYTES // (vocab * element_size))
+    return max(1, -(-rows // max(1, -(-rows // most))))
+
+
 def linear_cross_entropy(
     h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = IGNORE_INDEX,
     *, backend: str = "triton", chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy [] fp32 of the logits h @ weight.T against labels. chunk_rows: rows of
-    logits made at once by the Triton path (default: the rows split evenly into the fewest chunks whose
-    logits fit LOGITS_CHUNK_BYTES)."""
+    logits made at once by the Triton path (default: default_chunk_rows)."""
     _check_args(h, weight, labels)
-    if chunk_rows is None:  # the fewest chunks within the budget, of equal rows (no small last GEMM)
-        most = max(1, LOGITS_CHUNK_BYTES // (weight.shape[0] * weight.element_size()))
-        chunks = max(1, -(-h.shape[0] // most))
-        chunk_rows = max(1, -(-h.shape[0] // chunks))
+    if chunk_rows is None:
+        chunk_rows = default_chunk_rows(h.shape[0], weight.shape[0], weight.element_size())
     elif chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     if not use_triton(backend, h):

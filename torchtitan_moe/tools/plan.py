@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from torchtitan_moe.components.flops import flops_per_token
 from torchtitan_moe.config.sections import ConfigError
 from torchtitan_moe.dispatch import registry
-from torchtitan_moe.ops.cross_entropy import LOGITS_CHUNK_BYTES
+from torchtitan_moe.ops.cross_entropy import default_chunk_rows
 
 GIB = 1024**3
 USAGE = ("usage: python -m torchtitan_moe.tools.plan CONFIG --nodes N --gpus-per-node G [--gpu h200|h100|b200] "
@@ -314,7 +314,7 @@ def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str,
                       L * sac_bytes_per_token(shape, one_process, slots / T) * T))
         items.append(("activations", "exchanges kept for the recompute", L * kept))
         items.append(("activations", "one block recomputed", per_layer))
-    logits = 2 * V * min(T, LOGITS_CHUNK_BYTES // (2 * V))  # one chunk's, bf16, overwritten by their gradient
+    logits = 2 * V * default_chunk_rows(T, V, 2)  # one chunk's, bf16, overwritten by their gradient
     items.append(("loss", "the loss: one chunk of logits (bf16), d weight (fp32 sum, bf16), d h",
                   logits + 6 * V * D + 2 * T * D))
     items.append(("dispatch", "one layer's send and receive rows (bf16)", 2 * 2 * D * received))

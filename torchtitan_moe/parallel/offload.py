@@ -6,13 +6,19 @@ starts. Over the full Qwen3-30B-A3B's 48 layers at local batch 16 that is 12 GiB
 step's activations. With offloading, each block's input is copied to pinned host memory on a side stream while
 the block computes, and copied back one block ahead of its backward:
 
-    forward   block k saves x_k        -> D2H on the offload stream; x_k's GPU memory is free once the copy ends
+    forward   block k saves x_k        -> D2H on the offload stream; x_k is let go at block k+1's save, after the
+                                          compute stream waits for that copy
     backward  block k's recompute asks for x_k (waits for its copy back) and starts the copy back of x_{k-1}
 
-The same bits come back. The last block's input stays on the GPU (its backward follows the forward at once).
-What is offloaded is the tensor the checkpoint saves of the block's first argument's shape; the other saved
-inputs (the rope cache, positions: shared by every block, or small) stay. On a CPU the copies are plain
-copies (the tests' path): nothing is saved there.
+No tensor is marked with `record_stream`: the caching allocator would hold each one until the offload stream
+passes the point of its release, and the host runs several blocks ahead of the GPU, so about as many block
+inputs as it runs ahead stayed allocated (9 at the backward's peak of the full model, 2.25 GiB at local batch
+16). Instead the compute stream waits for each copy before the tensor is let go, and the allocator reuses its
+memory in the compute stream's order. The same bits come back. The last block's input stays on the GPU (its
+backward follows the forward at once), and so does the input offloaded last until the backward takes it: no copy
+back. What is offloaded is the tensor the checkpoint saves of the block's first argument's shape; the other saved
+inputs (the rope cache, positions: shared by every block, or small) stay. On a CPU the copies are plain copies
+(the tests' path): nothing is saved there.
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from torch import nn
 
 
 class _Offloaded:
-    """One block input in host memory; `gpu` holds it again once brought back, until the backward takes it."""
+    """One block input in host memory. `gpu` holds it on the GPU too while that is needed: the input itself
+    until the next block's save lets it go (or the backward takes it), or its copy brought back, until the
+    backward takes it; `ready` is the copy's event (out or back) the compute stream waits for before it reads
+    `gpu` or lets it go."""
 
     __slots__ = ("host", "device", "previous", "gpu", "ready")
 
@@ -35,6 +44,12 @@ class _Offloaded:
         self.gpu: torch.Tensor | None = None
         self.ready: torch.cuda.Event | None = None
 
+    def let_go(self) -> None:
+        """Drop `gpu` once the compute stream has waited for its copy (the allocator may reuse it from there)."""
+        if self.gpu is not None and self.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.ready)
+        self.gpu = None
+
 
 class InputOffload:
     """The saved-tensor hooks of the offloaded blocks, one side stream for their copies."""
@@ -43,6 +58,7 @@ class InputOffload:
         self._stream: torch.cuda.Stream | None = None
         self._shape: torch.Size | None = None  # the running block's input shape (None: no block running)
         self._last: _Offloaded | None = None  # this forward's latest offloaded input
+        self._ahead: _Offloaded | None = None  # brought back ahead of its backward, not yet taken
         self.offloaded = 0  # inputs offloaded (for tests and the log)
 
     def stream(self) -> torch.cuda.Stream:
@@ -52,6 +68,9 @@ class InputOffload:
 
     def enter_block(self, first: bool, x: torch.Tensor) -> None:
         if first:  # a new forward: its blocks chain from here
+            if self._ahead is not None:  # a backward that stopped early left a copy back unread
+                self._ahead.let_go()
+                self._ahead = None
             self._last = None
         self._shape = x.shape
 
@@ -62,17 +81,22 @@ class InputOffload:
         if self._shape is None or t.shape != self._shape or isinstance(t, nn.Parameter) or not t.is_floating_point():
             return t
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        saved = _Offloaded(host, t.device, self._last)
         if t.is_cuda:
+            if self._last is not None:
+                self._last.let_go()  # the block before: its copy out has had that block's compute to run
             stream = self.stream()
             stream.wait_stream(torch.cuda.current_stream(t.device))  # t is written on the compute stream
             with torch.cuda.stream(stream):
                 host.copy_(t, non_blocking=True)
-            t.record_stream(stream)  # its memory goes back to the allocator once the copy ends
+                saved.ready = torch.cuda.Event()
+                saved.ready.record(stream)
+            saved.gpu = t
         else:
             host.copy_(t)
-        self._last = _Offloaded(host, t.device, self._last)
+        self._last = saved
         self.offloaded += 1
-        return self._last
+        return saved
 
     def unpack(self, saved):
         if not isinstance(saved, _Offloaded):
@@ -81,10 +105,13 @@ class InputOffload:
             self._bring_back(saved)
         if saved.previous is not None and saved.previous.gpu is None:
             self._bring_back(saved.previous)  # ahead of the next block's backward
+            self._ahead = saved.previous
+        if self._ahead is saved:
+            self._ahead = None
         saved.previous = None  # the chain lets go: each host copy is freed with its block's backward
-        t, saved.gpu = saved.gpu, None  # the backward holds it from here (asked again: brought back again)
         if saved.ready is not None:
-            torch.cuda.current_stream(t.device).wait_event(saved.ready)
+            torch.cuda.current_stream(saved.device).wait_event(saved.ready)
+        t, saved.gpu, saved.ready = saved.gpu, None, None  # the backward holds it (asked again: brought back again)
         return t
 
     def _bring_back(self, saved: _Offloaded) -> None:
@@ -96,7 +123,6 @@ class InputOffload:
                 t.copy_(saved.host, non_blocking=True)
                 saved.ready = torch.cuda.Event()
                 saved.ready.record(stream)
-            t.record_stream(stream)
         else:
             t.copy_(saved.host)
         saved.gpu = t

@@ -13,6 +13,8 @@
 #           batches OFFLOAD_BATCHES (default 16,32,40; --vary, one run)
 #   fixed   ours as shipped with the allocator's fixed-size segments ([training] no-expandable_segments), the
 #           segments tools/plan.py models
+#   memory  ours as shipped at local batch MEMORY_BATCH (default 16), its inputs kept and offloaded, 3 steps with
+#           a memory snapshot of the last: what rank 0 holds at its peak (tools/memory_peak.py)
 #   ep4lb8  EP = 4 (each rank holds 32 experts outside FSDP2, all_to_all), local batch 8, the recompute exchanging
 #           again ([dispatch] recompute = "exchange": no received rows kept for it): torchtitan and ours
 #   ep1lb8  EP = 1 at local batch 8: torchtitan and ours
@@ -104,6 +106,17 @@ has batches && stage batches "$steps" "$warmup" --models local --vary training.l
 has offload && stage offload "$steps" "$warmup" --models local \
     --vary training.local_batch_size=${OFFLOAD_BATCHES:-16,32,40} -- "${ep1[@]}" --activation_checkpoint.offload_inputs
 has fixed && stage fixed "$steps" "$warmup" --models local -- "${ep1[@]}" --training.no-expandable_segments
+if has memory; then
+    stage memory 3 1 --models local --vary activation_checkpoint.offload_inputs=false,true \
+        --vary training.local_batch_size=${MEMORY_BATCH:-16} -- "${ep1[@]}" --profiling.enable_memory_snapshot \
+        --profiling.profile_freq 3
+    for snapshot in "$work"/memory/*/memory_snapshot/iteration_3/rank0_memory_snapshot.pickle; do
+        [ -f "$snapshot" ] || continue
+        run=${snapshot#"$work"/memory/}
+        { echo; echo "### memory peak: ${run%%/*}"; echo; "$py" -m torchtitan_moe.tools.memory_peak "$snapshot" 2>&1; } \
+            | tee -a "$summary"
+    done
+fi
 has ep4lb8 && stage ep4lb8 "$profiled" "$warmup" --models torchtitan,all_to_all ${PROFILE:+--profile} \
     -- --parallelism.expert_parallel_degree 4 --training.local_batch_size 8 --dispatch.recompute exchange
 has ep1lb8 && stage ep1lb8 "$steps" "$warmup" --models torchtitan,local -- "${ep1[@]}" --training.local_batch_size 8

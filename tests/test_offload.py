@@ -157,18 +157,28 @@ def test_offload_needs_full_recompute():
 
 
 @pytest.mark.gpu
-def test_on_a_gpu_the_inputs_leave_its_memory_while_the_host_runs_ahead():
+def test_on_a_gpu_the_inputs_leave_its_memory_while_the_host_runs_ahead(monkeypatch):
     # 12 blocks of [16384, 1024] fp32 inputs (64 MiB each; weights of 4 MiB), the GPU kept behind the host (as in a
     # training step once its pinned host memory is cached: the second step) by a spin before the forward and the
     # backward: offloaded, the peak of active memory (what the allocator cannot hand out, frees pending on another
     # stream included) holds at least 6 fewer inputs, in the forward and in the backward (kept: the 11 blocks'
-    # inputs after the first; offloaded: the last block's, the one offloaded last, one brought back).
-    def peaks(offloaded: bool) -> tuple[int, int]:
+    # inputs after the first; offloaded: the last block's, the one offloaded last, one brought back). The
+    # gradients are the same bits with every copy slowed down (a spin queued before it on the offload stream): no
+    # copy is read before it lands, no tensor is reused while a copy reads it.
+    for name in ("pack", "_bring_back"):
+        def slowed(self, t, original=getattr(offload_module.InputOffload, name)):
+            if torch.is_tensor(t) and t.is_cuda or isinstance(t, offload_module._Offloaded):
+                with torch.cuda.stream(self.stream()):
+                    torch.cuda._sleep(50_000_000)
+            return original(self, t)
+        monkeypatch.setattr(offload_module.InputOffload, name, slowed)
+    def peaks(offloaded: bool) -> tuple[int, int, list[torch.Tensor]]:
         layers = nn.ModuleList(checkpoint_wrapper(Block(1024, seed)) for seed in range(12)).cuda()
         if offloaded:
             offload_block_inputs(list(layers))
-        x = torch.randn(16384, 1024, device="cuda", requires_grad=True)
-        rope = torch.randn(1024, device="cuda")
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16384, 1024, generator=g).cuda().requires_grad_()
+        rope = torch.randn(1024, generator=g).cuda()
         for step in range(2):
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -184,10 +194,11 @@ def test_on_a_gpu_the_inputs_leave_its_memory_while_the_host_runs_ahead():
             del h
             backward = torch.cuda.memory_stats()["active_bytes.all.peak"] - start
             torch.cuda.synchronize()
-        return forward, backward
+        return forward, backward, [x.grad] + [layer._checkpoint_wrapped_module.w.grad for layer in layers]
     kept, offloaded = peaks(False), peaks(True)
-    assert kept[0] - offloaded[0] >= 6 * 64 << 20, (kept, offloaded)
-    assert kept[1] - offloaded[1] >= 6 * 64 << 20, (kept, offloaded)
+    assert kept[0] - offloaded[0] >= 6 * 64 << 20, (kept[:2], offloaded[:2])
+    assert kept[1] - offloaded[1] >= 6 * 64 << 20, (kept[:2], offloaded[:2])
+    assert all(torch.equal(a, b) for a, b in zip(kept[2], offloaded[2]))
 
 
 def test_a_node_without_the_host_memory_is_refused(monkeypatch):

@@ -2,8 +2,8 @@
 
     python kernels/bench_cross_entropy.py [--tokens 8192 16384] [--json out.json]
 
-N tokens (8192: local batch 2 at seq 4096), D = 2048, V = 151,936, bf16 h and weight (the default chunk is
-7,066 rows: 8192 tokens make 2 chunks, 16,384 make 3).
+N tokens (8192: local batch 2 at seq 4096), D = 2048, V = 151,936, bf16 h and weight (the default chunks are the
+fewest of at most 2 GiB of logits, 7,066 rows, in equal rows: 8192 tokens make 2 of 4,096, 16,384 make 3 of 5,462).
   triton   ops.linear_cross_entropy: per chunk of rows (at most 2 GiB of logits) the logits GEMM, one
            kernel (loss, gradient over the logits), the two gradient GEMMs (the weight's summed over
            the chunks in fp32), all in the forward; the backward scales them

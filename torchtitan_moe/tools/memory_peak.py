@@ -8,8 +8,9 @@ records the allocator's last 100,000 events). Each block the trace allocates or 
 to its `free_completed` (a block freed while another stream still used it stays active until then, as the
 allocator counts it); blocks allocated before the trace began and the blocks still active at the dump bound the
 window. It prints the moment in that window with the most active memory, where the allocation that made it came
-from, and what was active then, grouped by where each block was allocated, largest first. A place is the innermost Python frame of ours or torchtitan's, then torch's innermost
-Python frame; allocations the autograd engine made (no Python frames) are named by their backward node or op.
+from, and what was active then, grouped by where each block was allocated, largest first. A place is the innermost
+Python frame of ours or torchtitan's, then torch's innermost Python frame; allocations the autograd engine made (no
+Python frames) are named by their backward node or op.
 """
 
 from __future__ import annotations

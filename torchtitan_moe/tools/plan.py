@@ -302,9 +302,9 @@ def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str,
     if layout.ac == "none":
         items.append(("activations", "every layer's activations", L * per_layer))
     elif layout.ac == "full":
-        if run.offload_inputs:  # the last block's stays; a block's own and the one brought back ahead of it
-            items.append(("activations", "block inputs: the last block's and two brought back (the rest in host memory)",
-                          min(L, 3) * s * D * T))
+        if run.offload_inputs:  # at the backward's start: the last block's, the one offloaded last, one brought back
+            items.append(("activations", "block inputs: the last block's, the one offloaded last, one brought back "
+                          "(the rest in host memory)", min(L, 3) * s * D * T))
         else:
             items.append(("activations", "block inputs", L * s * D * T))
         items.append(("activations", "exchanges kept for the recompute", L * kept))

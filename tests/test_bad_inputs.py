@@ -219,6 +219,13 @@ OTHERS = [
     (["--activation_checkpoint.offload_inputs", "--activation_checkpoint.mode", "full", "--training.local_batch_size",
       "100000000", "--nproc", "2"], "[activation_checkpoint] offload_inputs = true pins 36621 GiB of host memory on "
      "this node (2 ranks x every block's input but the last's), over 75% of its"),
+    (["--activation_checkpoint.offload_attention", "--activation_checkpoint.mode", "full"],
+     "[activation_checkpoint] offload_attention = true sends the attention's outputs to host memory with each block's "
+     "input: it needs offload_inputs = true"),
+    (["--activation_checkpoint.offload_attention", "--activation_checkpoint.offload_inputs",
+      "--activation_checkpoint.mode", "full", "--data.attention", "document", "--training.dataset", "shards"],
+     "[activation_checkpoint] offload_attention = true keeps causal attention's outputs: it needs [data] attention = "
+     "'causal' (got 'document')"),
 ]
 
 # Refusals of what the environment says, with the config (the variables set for the case only).

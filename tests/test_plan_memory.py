@@ -178,3 +178,13 @@ def test_offloaded_block_inputs_leave_three_on_the_gpu():
     assert "| activations | block inputs: the last block's, the one offloaded last, one brought back (the rest in host memory) | 0.75 |" in text
     assert f"| block inputs on the GPU | {kept / GIB:.1f} | +{(kept - offloaded) / GIB:.1f} |" in text
     assert "| block inputs in host memory" not in text
+
+
+def test_offloaded_attention_outputs_add_two_blocks_of_theirs():
+    # [activation_checkpoint] offload_attention: the last offloaded block's out [T, 32 x 128] bf16 and lse [32, T]
+    # fp32 stay until its backward, and one block's come back ahead of it.
+    base, kept = (plan.memory(FULL, EP1, Run(4096, 16, 4, offload_inputs=True, offload_attention=a)).total
+                  for a in (False, True))
+    assert kept - base == 2 * 16 * 4096 * 32 * (128 * 2 + 4)
+    text = breakdown("--activation_checkpoint.offload_inputs", "--activation_checkpoint.offload_attention")
+    assert "| activations | attention outputs: the ones offloaded last, ones brought back | 1.02 |" in text

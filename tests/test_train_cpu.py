@@ -66,6 +66,9 @@ RUNS["recipe_router_fsdp"] = [*RUNS["recipe"], "--parallelism.router", "fsdp"]
 # Full recompute with the blocks' inputs in host memory against it without ([activation_checkpoint] offload_inputs).
 RUNS["recipe_full_ac"] = [*RUNS["recipe"], "--activation_checkpoint.mode", "full"]
 RUNS["recipe_full_ac_offload"] = [*RUNS["recipe_full_ac"], "--activation_checkpoint.offload_inputs"]
+# ... and the attention's outputs with them, the recompute taking them ([activation_checkpoint] offload_attention).
+RUNS["recipe_full_ac_offload_attention"] = [*RUNS["recipe_full_ac_offload"],
+                                            "--activation_checkpoint.offload_attention"]
 # Clipping inside the optimizer against torchtitan's clip (the "_torchtitan_clip" runs), clipping every
 # step (max_norm well below the debug run's grad norms), under EP = 2 (gradients on two meshes), with
 # torch's fused AdamW and with ours (bf16 moments, and fp32 moments: [optimizer] update = "triton").
@@ -253,6 +256,16 @@ def test_offloaded_block_inputs_train_as_kept_ones_to_the_bit(runs, launched):
     assert len(offloaded) == 3
     assert [(r["loss"], r["grad_norm"]) for r in offloaded] == [(r["loss"], r["grad_norm"]) for r in kept]
     assert "Block inputs offloaded to host memory between forward and backward: 3 of 4 blocks" in \
+        (launched / "harness.log").read_text()
+
+
+def test_kept_attention_outputs_train_as_recomputed_ones(runs, launched):
+    # The same recipe with each offloaded block's attention outputs kept for its recompute (ops.causal_attention,
+    # torch's CPU flash kernel) against torchtitan's SDPA recomputed.
+    kept, recomputed = runs["recipe_full_ac_offload_attention"], runs["recipe_full_ac"]
+    assert len(kept) == 3
+    assert [(r["loss"], r["grad_norm"]) for r in kept] == [(r["loss"], r["grad_norm"]) for r in recomputed]
+    assert "Attention outputs kept in host memory for the recompute: 3 of 4 blocks" in \
         (launched / "harness.log").read_text()
 
 

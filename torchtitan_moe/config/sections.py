@@ -185,6 +185,12 @@ class ActivationCheckpoint:
     (parallel/offload.py; the same bits). Frees the block inputs' GPU memory (the full model at local batch 16:
     12 GiB a GPU) for a larger batch; costs host memory of the same size on every GPU and PCIe traffic both ways.
     Our model only."""
+    offload_attention: bool = False
+    """With offload_inputs: each offloaded block's attention output and log-sum-exp follow its input to host
+    memory and back, and the block's recompute takes them instead of running the attention's forward again
+    (ops/attention.py, cuDNN's kernels on a GPU; the same bits). Saves a third of a block's forward FLOPs
+    outside the experts' GEMMs at seq 4096; costs twice the block inputs' host memory and PCIe traffic again
+    (the output has 2x the model's width for Qwen3-30B-A3B). Causal attention only ([data] attention)."""
 
 
 @dataclass
@@ -312,6 +318,12 @@ def check_semantics(cfg: Any, flavors: dict[str, Any], world_size: int | None = 
     _need(not ac.offload_inputs or ac.mode == "full",
           f"[activation_checkpoint] offload_inputs = true offloads what full recompute keeps, each block's input: it "
           f"needs mode = 'full' (got {ac.mode!r})")
+    _need(not ac.offload_attention or ac.offload_inputs,
+          "[activation_checkpoint] offload_attention = true sends the attention's outputs to host memory with each "
+          "block's input: it needs offload_inputs = true")
+    _need(not ac.offload_attention or cfg.data.attention == "causal",
+          f"[activation_checkpoint] offload_attention = true keeps causal attention's outputs: it needs [data] "
+          f"attention = 'causal' (got {cfg.data.attention!r})")
     _need(
         cfg.model.name in MODEL_NAMES,
         f"[model] name = {cfg.model.name!r}: expected 'qwen3_moe' (ours) or 'torchtitan_qwen3_moe' "

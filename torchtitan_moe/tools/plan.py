@@ -185,6 +185,7 @@ class Run:
     expert_copies: bool = True  # experts outside FSDP2 keep bf16 working copies (False: a candidate, cast per use)
     keep_exchanges: bool = True  # a recompute replays its forward's exchanges (False: exchanges again, [dispatch] recompute)
     offload_inputs: bool = False  # full recompute's block inputs in host memory ([activation_checkpoint] offload_inputs)
+    offload_attention: bool = False  # and their attention outputs ([activation_checkpoint] offload_attention)
 
     @property
     def tokens(self) -> int:
@@ -305,6 +306,9 @@ def memory_items(shape: Shape, layout: Layout, run: Run) -> list[tuple[str, str,
         if run.offload_inputs:  # at the backward's start: the last block's, the one offloaded last, one brought back
             items.append(("activations", "block inputs: the last block's, the one offloaded last, one brought back "
                           "(the rest in host memory)", min(L, 3) * s * D * T))
+            if run.offload_attention:  # out [T, H x Dh] in the blocks' dtype, lse [H, T] fp32
+                items.append(("activations", "attention outputs: the ones offloaded last, ones brought back",
+                              min(L - 1, 2) * T * shape.n_heads * (shape.head_dim * s + 4)))
         else:
             items.append(("activations", "block inputs", L * s * D * T))
         items.append(("activations", "exchanges kept for the recompute", L * kept))
@@ -518,7 +522,8 @@ def parse(argv: list[str]):
     expert_grads = 2 if kept else 4
     run = Run(seq, micro, moments, config.dispatch.buffers, expert_grads,
               keep_exchanges=config.dispatch.recompute == "replay",
-              offload_inputs=config.activation_checkpoint.offload_inputs)
+              offload_inputs=config.activation_checkpoint.offload_inputs,
+              offload_attention=config.activation_checkpoint.offload_attention)
     return config, shape, run, nodes, per_node, GPUS[gpu_name], accum
 
 

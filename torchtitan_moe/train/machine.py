@@ -56,23 +56,29 @@ HOST_SHARE = 0.75  # of the node's RAM: pinned pages cannot be swapped, and the 
 def offloaded_bytes_per_node(config, nproc_per_node: int) -> int:
     """[activation_checkpoint] offload_inputs: the pinned host memory the node's ranks hold for their blocks'
     inputs at the forward's end (every block's but the last's: in the params' dtype under FSDP2, fp32 in one
-    process, where autocast leaves the residual stream in fp32)."""
+    process, where autocast leaves the residual stream in fp32), and with offload_attention their attention's
+    outputs (heads x head_dim a token in that dtype) and log-sum-exps (heads a token, fp32)."""
     from torchtitan_moe.models.qwen3_moe import flavor_args
 
-    if not config.activation_checkpoint.offload_inputs:
+    ac = config.activation_checkpoint
+    if not ac.offload_inputs:
         return 0
     args = flavor_args(config.model.flavor)
     tokens = config.training.local_batch_size * config.training.seq_len
     one_process = nproc_per_node == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1
     dtype = torch.float32 if one_process else getattr(torch, config.training.mixed_precision_param)
-    return nproc_per_node * (args.n_layers - 1) * tokens * args.dim * dtype.itemsize
+    per_token = args.dim * dtype.itemsize
+    if ac.offload_attention:
+        per_token += args.n_heads * (args.head_dim * dtype.itemsize + 4)
+    return nproc_per_node * (args.n_layers - 1) * tokens * per_token
 
 
 def _refuse_host_memory(config, nproc_per_node: int) -> None:
     need = offloaded_bytes_per_node(config, nproc_per_node)
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > HOST_SHARE * ram:
+        attention = " and its attention outputs" if config.activation_checkpoint.offload_attention else ""
         raise ConfigError(f"[activation_checkpoint] offload_inputs = true pins {need / 2**30:.0f} GiB of host memory "
-                          f"on this node ({nproc_per_node} ranks x every block's input but the last's), over "
+                          f"on this node ({nproc_per_node} ranks x every block's input but the last's{attention}), over "
                           f"{HOST_SHARE:.0%} of its {ram / 2**30:.0f} GiB: use a smaller local_batch_size or "
                           "offload_inputs = false")

@@ -9,6 +9,9 @@ attention replaced by `DocumentAttention`: on a GPU a compiled flex_attention ov
 torchtitan's compiled create_block_mask (blocks outside every document are skipped, not computed); flex has
 no CPU backward, so on the CPU the same mask_mod is evaluated densely [B, 1, S, S] for SDPA. The positions
 also restart RoPE at each document, so a packed document computes what it would alone.
+
+`KeptAttention` is the causal path's inner attention where a recompute takes the attention's outputs from its
+first forward ([activation_checkpoint] offload_attention).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, and_masks, flex_attention
 
 from torchtitan_moe.compat.torchtitan import create_attention_mask, get_causal_mask_mod
+from torchtitan_moe.moe.experts import autocast_dtype
+from torchtitan_moe.ops.attention import causal_attention
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -73,3 +78,20 @@ class DocumentAttention(nn.Module):
             return compiled_flex_attention()(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
         mask = dense_mask(block_mask, q.shape[0], q.shape[2], q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+
+class KeptAttention(nn.Module):
+    """torchtitan's inner attention for attn_type "sdpa" (its SDPA wrapper's call), q [B, H, S, D], k and v
+    [B, H_kv, S, D] -> [B, H, S, D], through ops.causal_attention with a keeper: under full recompute the
+    recompute takes the first forward's outputs instead of computing them ([activation_checkpoint]
+    offload_attention; parallel/offload.py keeps them)."""
+
+    def __init__(self, keeper: int):
+        super().__init__()
+        self.keeper = keeper
+
+    def forward(self, q, k, v, *, scale: float | None = None, enable_gqa: bool = False, is_causal: bool = True):
+        dtype = autocast_dtype(q.device)  # autocast does not reach into custom ops: cast as it would for SDPA
+        if dtype is not None:
+            q, k, v = (t.to(dtype) for t in (q, k, v))
+        return causal_attention(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, self.keeper)

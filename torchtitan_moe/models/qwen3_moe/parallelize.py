@@ -18,7 +18,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from torchtitan_moe.config.sections import ConfigError
+from torchtitan_moe.models.qwen3_moe.attention import KeptAttention
 from torchtitan_moe.moe.experts import refresh_working_copies
+from torchtitan_moe.ops.attention import register_keeper
 from torchtitan_moe.parallel.build import build_dispatchers
 from torchtitan_moe.parallel.embedding import shard_embedding_rows
 from torchtitan_moe.parallel.offload import offload_block_inputs
@@ -54,9 +56,11 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
         keep_exchanges_for_recompute(model, job_config.dispatch.recompute)
         if job_config.activation_checkpoint.offload_inputs:
             blocks = list(model.layers.values())
-            offload_block_inputs(blocks)
+            offload = offload_block_inputs(blocks)
             logger.info(f"Block inputs offloaded to host memory between forward and backward: {len(blocks) - 1} of "
                         f"{len(blocks)} blocks ([activation_checkpoint] offload_inputs)")
+            if job_config.activation_checkpoint.offload_attention:
+                keep_attention_outputs(blocks, offload)
     if job_config.compile.enable and "model" in job_config.compile.components:
         apply_compile(model, job_config.compile.backend)
 
@@ -68,6 +72,17 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, job_con
                 raise ConfigError(f"[parallelism] {key} = 'rows' shards by rows over FSDP's ranks, but this run has "
                                   "one data-parallel rank: use 'fsdp' or 'auto'")
     return model
+
+
+def keep_attention_outputs(blocks: list[nn.Module], offload) -> None:
+    """[activation_checkpoint] offload_attention: every block's attention through ops.causal_attention with the
+    offload as its keeper (the last block's recompute, not offloaded, computes its attention again)."""
+    keeper = register_keeper(offload)
+    for block in blocks:
+        inner = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
+        inner.attention.inner_attention = KeptAttention(keeper)
+    logger.info(f"Attention outputs kept in host memory for the recompute: {len(blocks) - 1} of {len(blocks)} blocks "
+                "([activation_checkpoint] offload_attention)")
 
 
 def apply_compile(model: nn.Module, backend: str) -> None:

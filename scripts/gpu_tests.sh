@@ -19,7 +19,9 @@
 #                        from one seed checkpoint, and activation checkpointing under EP = 2 changes nothing;
 #                        EP = 2 in bf16 with the experts' working copies trains as the experts under FSDP2;
 #                        a train step never makes the host wait for the GPU (CUDA's sync debug mode)
-#   test_offload         [activation_checkpoint] offload_inputs: the inputs' copies to host and back, the memory freed
+#   test_offload         [activation_checkpoint] offload_inputs and offload_attention: the copies to host and back,
+#                        the memory freed, what the recompute takes the bits its forward made
+#   test_causal_attention  ops.causal_attention (cuDNN) against F.scaled_dot_product_attention and float64
 #   test_allocator       [training] expandable_segments reaches CUDA's caching allocator
 # On a 1-GPU machine the 2-GPU tests are skipped, each with its reason in the log and the summary.
 # Uses the image's torch, triton and torchtitan (no install, no network): PYTHON picks the interpreter.

@@ -16,6 +16,8 @@
     logits = gate_logits(x [T, D] bf16, w [E, D] fp32)  [T, E] the router's fp32 gate on bf16 tensor cores
     differ = copies_differ(weights fp32, copies bf16)    [n] bool: the experts' working copies checked
     squares = sum_of_squares(tensors)                    [] fp32: the gradients' norm for clipping, in one pass
+    out   = causal_attention(q, k, v, scale, keeper)     [B, H, S, Dh] cuDNN's causal attention (grouped KV heads),
+            whose outputs a recompute can take from a keeper instead of computing them again
 
 Every op takes backend="triton" (default) or "torch" (the reference, autograd through
 torch ops). <op>.py holds the API, the argument checks, the reference and the
@@ -23,12 +25,16 @@ torch ops). <op>.py holds the API, the argument checks, the reference and the
 torch.compile; registered through _library.custom_op, which costs less host time per call
 than torch.library.custom_op) around the kernels; <op>_triton.py the kernels and their launchers,
 imported on first use, so backend="torch" works where Triton is not installed.
-grouped_mm is a custom op around torch._grouped_mm (whose meta function refuses fp32).
-Deterministic: no atomics, every output element written once. Rows past num_rows (garbage of torch._grouped_mm) are never read. Imports only
-torch and triton, so the package can be lifted into any training stack.
+grouped_mm is a custom op around torch._grouped_mm (whose meta function refuses fp32);
+causal_attention one around cuDNN's attention (torch's CPU flash kernel on the CPU), with its reference
+(F.scaled_dot_product_attention) beside it and no backend argument. Our kernels are deterministic: no atomics,
+every output element written once (cuDNN's attention backward accumulates dq with atomics). Rows past
+num_rows (garbage of torch._grouped_mm) are never read. Imports only torch and triton, so the package can be
+lifted into any training stack.
 """
 
 from .combine import combine, combine_reference, combine_tokens, gather_rows, gather_rows_reference
+from .attention import causal_attention, causal_attention_reference
 from .copy_check import copies_differ, copies_differ_reference
 from .sum_of_squares import sum_of_squares, sum_of_squares_reference
 from .gate import gate_logits, gate_logits_reference
@@ -66,4 +72,6 @@ __all__ = [
     "copies_differ_reference",
     "sum_of_squares",
     "sum_of_squares_reference",
+    "causal_attention",
+    "causal_attention_reference",
 ]

@@ -11,6 +11,8 @@
 #   batches ours as shipped at local batches BATCHES (default 12,24,32; --vary, one run)
 #   offload ours as shipped with the blocks' inputs in host memory ([activation_checkpoint] offload_inputs) at local
 #           batches OFFLOAD_BATCHES (default 16,32,40; --vary, one run)
+#   attention ours as shipped with the blocks' inputs offloaded at local batch ATTENTION_BATCH (default 32), their
+#           attention's outputs kept for the recompute and not ([activation_checkpoint] offload_attention; --vary)
 #   fixed   ours as shipped with the allocator's fixed-size segments ([training] no-expandable_segments), the
 #           segments tools/plan.py models
 #   memory  ours as shipped at local batch MEMORY_BATCH (default 16), its inputs kept and offloaded, 3 steps with
@@ -105,6 +107,8 @@ has batches && stage batches "$steps" "$warmup" --models local --vary training.l
     -- "${ep1[@]}"
 has offload && stage offload "$steps" "$warmup" --models local \
     --vary training.local_batch_size=${OFFLOAD_BATCHES:-16,32,40} -- "${ep1[@]}" --activation_checkpoint.offload_inputs
+has attention && stage attention "$steps" "$warmup" --models local --vary activation_checkpoint.offload_attention=false,true \
+    -- "${ep1[@]}" --activation_checkpoint.offload_inputs --training.local_batch_size "${ATTENTION_BATCH:-32}"
 has fixed && stage fixed "$steps" "$warmup" --models local -- "${ep1[@]}" --training.no-expandable_segments
 if has memory; then
     stage memory 3 1 --models local --vary activation_checkpoint.offload_inputs=false,true \

@@ -217,6 +217,25 @@ def test_a_hang_is_one_line_naming_where_the_rank_waits_with_its_stack_on_disk(t
     assert lines[0].endswith(f"every rank's stack: {tmp_path / 'hang'}{os.sep}")
     stack = (tmp_path / "hang" / "rank-0.txt").read_text()
     assert stack.startswith("waits_in_a_collective (test_failures.py:") and "Thread 0x" in stack
+    assert "\nChild processes (data workers):\n" in stack
+
+
+def test_a_hang_s_dump_names_the_rank_s_child_processes_and_where_they_wait(tmp_path):
+    # a data worker's Python stack cannot be asked for: /proc gives its state and where in the kernel it waits
+    child = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait(30)"])
+    try:
+        time.sleep(1.0)  # in its wait by now
+        dog = watchdog.HangWatchdog(str(tmp_path), 0, 1, lambda: 0.5, on_hang=lambda line: None).start()
+        waits_in_a_collective(1.5)
+        dog.close()
+        stack = (tmp_path / "hang" / "rank-0.txt").read_text()
+        children = stack.split("Child processes (data workers):\n")[1].splitlines()
+        mine = [c for c in children if c.startswith(f"pid {child.pid} (")]
+        assert len(mine) == 1 and ": state S, waits in " in mine[0], children
+        assert mine[0].endswith("import threading; threading.Event().wait(30)"), mine
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_a_watchdog_that_hears_of_progress_stays_quiet(tmp_path):

@@ -3,7 +3,9 @@
 Each rank runs a thread that the trainer tells of progress (`beat`: a step starts or ends, a save starts
 or ends). When no beat comes for `timeout()` seconds ([checks] hang_timeout; by default 90% of the
 collectives' own timeout, so this comes first), the rank writes the stacks of all its threads
-(faulthandler) to <dump_folder>/hang/rank-R.txt, headed by one line saying where its main thread waits.
+(faulthandler) to <dump_folder>/hang/rank-R.txt, headed by one line saying where its main thread waits, and
+below them its child processes (its data workers) as Linux's /proc sees them: their Python stacks cannot be
+asked for, their state and kernel wait channel say whether one waits on a lock (futex) or for input.
 Rank 0 then waits up to GATHER_SECONDS for the other ranks' files (every rank of a hung run fires: the
 one that is stuck, and the ones waiting for it in a collective) and prints one line naming, for each
 place, the ranks waiting there, and exits with status 4 (the others exit after it; torchrun stops them).
@@ -64,6 +66,33 @@ def summary(where: dict[int, str], world: int) -> str:
     return "; ".join(parts)
 
 
+def child_processes(pid: int | None = None) -> list[str]:
+    """'pid P (name): state S, waits in WCHAN: command' for each child of process `pid` (this one), from /proc;
+    [] where there is none (or no /proc)."""
+    pid = pid or os.getpid()
+    children = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                children += f.read().split()
+    except OSError:
+        return []
+    lines = []
+    for child in children:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{child}/wchan") as f:
+                wchan = f.read().strip() or "-"
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                command = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # gone meanwhile
+            continue
+        name, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
+        lines.append(f"pid {child} ({name}): state {state}, waits in {wchan}: {command[:160]}")
+    return lines
+
+
 class HangWatchdog:
     """Fires when no `beat()` comes for `timeout()` seconds (timeout() <= 0: off)."""
 
@@ -116,6 +145,8 @@ class HangWatchdog:
             f.write(f"{where}\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+            children = child_processes()
+            f.write("\nChild processes (data workers):\n" + "\n".join(children or ["none"]) + "\n")
         os.replace(path + ".tmp", path)
         heads = {self.rank: where}
         deadline = time.monotonic() + (GATHER_SECONDS if self.rank == 0 else 0)

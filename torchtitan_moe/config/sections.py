@@ -188,9 +188,10 @@ class ActivationCheckpoint:
     offload_attention: bool = False
     """With offload_inputs: each offloaded block's attention output and log-sum-exp follow its input to host
     memory and back, and the block's recompute takes them instead of running the attention's forward again
-    (ops/attention.py, cuDNN's kernels on a GPU; the same bits). Saves a third of a block's forward FLOPs
-    outside the experts' GEMMs at seq 4096; costs twice the block inputs' host memory and PCIe traffic again
-    (the output has 2x the model's width for Qwen3-30B-A3B). Causal attention only ([data] attention)."""
+    (ops/attention.py, cuDNN's kernels on a GPU; the recompute reads the bits the forward made). Saves the
+    recompute's attention forward, 5% of the full Qwen3-30B-A3B's step FLOPs at seq 4096; costs twice the block
+    inputs' host memory and PCIe traffic again (the attention's output is twice the model's width there).
+    Causal attention only ([data] attention)."""
 
 
 @dataclass
